@@ -1,0 +1,111 @@
+"""Spawn latency: how much a fully isolated command costs over a bare spawn.
+
+Measures, in one run and interleaved (so machine noise hits every variant
+alike), the wall time of running /usr/bin/true:
+
+  bare       trio.run_process(["/usr/bin/true"]) -- no sandbox at all
+  native     session.run("/usr/bin/true") on a warm native session
+  bwrap_cli  trio.run_process(["bwrap", "--unshare-all", ..., "/usr/bin/true"])
+
+Usage: python benchmarks/spawn_latency.py [-n N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Awaitable, Callable
+
+import trio
+
+import sandboxns
+
+TRUE = "/usr/bin/true"
+
+
+def bwrap_argv() -> list[str] | None:
+    """A bwrap invocation with a mount plan equivalent to the native driver's."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None
+    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    for name in ("usr", "bin", "sbin", "lib", "lib64"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", TRUE]
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(fraction: float) -> float:
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000
+
+    return {
+        "p50_ms": round(at(0.50), 3),
+        "p90_ms": round(at(0.90), 3),
+        "p99_ms": round(at(0.99), 3),
+        "mean_ms": round(statistics.fmean(ordered) * 1000, 3),
+        "n": len(ordered),
+    }
+
+
+async def measure(n: int) -> dict[str, dict[str, float]]:
+    bwrap = bwrap_argv()
+    with tempfile.TemporaryDirectory(prefix="sandboxns-bench-") as workspace:
+        async with sandboxns.open_sandbox(workspace) as session:
+
+            async def native() -> None:
+                result = await session.run(TRUE)
+                assert result.exit_code == 0, result
+
+            variants: dict[str, Callable[[], Awaitable[object]]] = {
+                "bare": lambda: trio.run_process([TRUE]),
+                "native": native,
+            }
+            if bwrap is not None:
+                variants["bwrap_cli"] = lambda: trio.run_process(bwrap)
+            samples: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(max(5, n // 20)):  # warm-up
+                for run in variants.values():
+                    await run()
+            for _ in range(n):
+                for name, run in variants.items():
+                    started = time.perf_counter()
+                    await run()
+                    samples[name].append(time.perf_counter() - started)
+    return {name: percentiles(values) for name, values in samples.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", type=int, default=500, help="runs per variant (default 500)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    results = trio.run(measure, args.n)
+    bare = results["bare"]["p50_ms"]
+    print(f"{'variant':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p50/bare':>9}")
+    for name, stats in results.items():
+        ratio = stats["p50_ms"] / bare
+        print(f"{name:<10} {stats['p50_ms']:>8.3f} {stats['p90_ms']:>8.3f} {stats['p99_ms']:>8.3f} {ratio:>8.2f}x")
+    if "bwrap_cli" in results:
+        speedup = results["bwrap_cli"]["p50_ms"] / results["native"]["p50_ms"]
+        print(f"native is {speedup:.2f}x faster than bwrap_cli at p50")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+            out.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+/* Descriptors: passing requests with their fds, and making sure nothing the
+ * holder has open reaches a guest. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "holder.h"
+#include "syscalls.h"
+
+static int compare_fds(const void *a, const void *b)
+{
+    return *(const int *)a - *(const int *)b;
+}
+
+/* Close every fd except those in keep (which is sorted in place). */
+int close_fds_except(const int *keep, int nkeep)
+{
+    int sorted[SBX_NFDS + 2];
+    unsigned int next = 0;
+
+    if (nkeep > (int)(sizeof sorted / sizeof sorted[0]))
+        return -EINVAL;
+    for (int i = 0; i < nkeep; i++)
+        sorted[i] = keep[i];
+    qsort(sorted, (size_t)nkeep, sizeof sorted[0], compare_fds);
+    for (int i = 0; i < nkeep; i++) {
+        if (sorted[i] < 0 || (unsigned int)sorted[i] < next)
+            continue;
+        if ((unsigned int)sorted[i] > next && sys_close_range(next, (unsigned int)sorted[i] - 1) < 0)
+            return -errno;
+        next = (unsigned int)sorted[i] + 1;
+    }
+    if (sys_close_range(next, UINT_MAX) < 0)
+        return -errno;
+    return 0;
+}
+
+/* Receive one request message with its SBX_NFDS descriptors (close-on-exec).
+ * Returns the message length, 0 at EOF, or -1 with errno set. A message that
+ * arrives without a full set of fds has nobody to answer it: it is dropped
+ * (EBADMSG), its fds closed. */
+ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int flags)
+{
+    char control[CMSG_SPACE(sizeof(int) * SBX_NFDS)];
+    struct iovec iov = {.iov_base = buf, .iov_len = size};
+    struct msghdr msg = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    int nfds = 0;
+    ssize_t len;
+
+    for (int i = 0; i < SBX_NFDS; i++)
+        fds[i] = -1;
+    do
+        len = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | flags);
+    while (len < 0 && errno == EINTR);
+    if (len <= 0)
+        return len;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            memcpy(fds, CMSG_DATA(c), sizeof(int) * (size_t)(nfds > SBX_NFDS ? SBX_NFDS : nfds));
+        }
+    }
+    if (nfds != SBX_NFDS || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        for (int i = 0; i < SBX_NFDS; i++)
+            if (fds[i] >= 0)
+                close(fds[i]);
+        errno = EBADMSG;
+        return -1;
+    }
+    return len;
+}
+
+int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS])
+{
+    char control[CMSG_SPACE(sizeof(int) * SBX_NFDS)];
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    struct msghdr msg = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    ssize_t sent;
+
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * SBX_NFDS);
+    memcpy(CMSG_DATA(c), fds, sizeof(int) * SBX_NFDS);
+    do
+        sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    while (sent < 0 && errno == EINTR);
+    return sent < 0 ? -1 : 0;
+}

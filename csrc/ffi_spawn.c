@@ -1,0 +1,62 @@
+/* The host side of the C boundary (compiled into the cffi module): starting
+ * a session's holder. Python cannot do this itself because the holder must
+ * get PR_SET_PDEATHSIG between fork and exec. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ffi_spawn.h"
+
+/* The parent-death signal fires when the *thread* that forked the holder
+ * exits, not the process: call this from a thread that lives as long as the
+ * session (the trio thread), never from a worker pool.
+ *
+ * vfork shares our memory until execve, so the child reports a failure by
+ * writing child_errno, which the parent reads once vfork returns. */
+int sbx_spawn_holder(const char *path, char *const argv[], int control_fd)
+{
+    static char *const empty_env[] = {NULL};
+    volatile int child_errno = 0;
+    pid_t parent = getpid();
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    pid_t pid;
+
+    if (devnull < 0)
+        return -errno;
+    pid = vfork();
+    if (pid == 0) {
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+            goto child_fail;
+        if (getppid() != parent) { /* the host died already */
+            errno = ESRCH;
+            goto child_fail;
+        }
+        if (dup2(devnull, 0) < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0)
+            goto child_fail;
+        if (control_fd == SBX_HOLDER_CONTROL_FD) {
+            if (fcntl(control_fd, F_SETFD, 0) < 0)
+                goto child_fail;
+        } else if (dup2(control_fd, SBX_HOLDER_CONTROL_FD) < 0) {
+            goto child_fail;
+        }
+        syscall(SYS_close_range, SBX_HOLDER_CONTROL_FD + 1, ~0U, 0);
+        execve(path, argv, empty_env);
+    child_fail:
+        child_errno = errno;
+        _exit(127);
+    }
+    close(devnull);
+    if (pid < 0)
+        return -errno;
+    if (child_errno) {
+        int err = child_errno;
+        waitpid(pid, NULL, 0);
+        return -err;
+    }
+    return pid;
+}

@@ -1,0 +1,142 @@
+/* sandboxns-holder: one per sandbox session.
+ *
+ * The host execs this program (never a fork of the Python interpreter, so no
+ * sandbox process ever holds a copy of the host's memory) with its end of the
+ * control socket as fd 3. It:
+ *   1. unshares the session's namespaces and maps the host user (userns.c);
+ *   2. forks pid 1 of the new pid namespace, the holder proper, and stays
+ *      behind only to wait for it (the host tracks this process's pidfd);
+ *   3. builds the root filesystem and pivots into it (rootfs.c), brings up
+ *      lo (net.c), and reports READY on the control socket;
+ *   4. serves command requests (serve.c, spawn.c) until the control socket
+ *      closes, at which point pid 1 exits and the kernel kills the session.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "holder.h"
+
+static int parse_id(const char *text, unsigned int *out)
+{
+    char *end;
+    unsigned long value;
+
+    errno = 0;
+    value = strtoul(text, &end, 10);
+    if (errno || *end || end == text || value > 0xfffffffeUL)
+        return -1;
+    *out = (unsigned int)value;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, struct holder_config *cfg, struct sbx_report *err)
+{
+    static const struct option options[] = {
+        {"uid", required_argument, NULL, 'u'},       {"gid", required_argument, NULL, 'g'},
+        {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
+        {"share-network", no_argument, NULL, 'n'},   {NULL, 0, NULL, 0},
+    };
+    int opt;
+
+    cfg->inner_uid = cfg->inner_gid = 1000;
+    cfg->hostname = "sandbox";
+    while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
+        switch (opt) {
+        case 'u':
+            if (parse_id(optarg, &cfg->inner_uid) < 0)
+                return fail(err, "arguments", EINVAL, "bad uid %s", optarg);
+            break;
+        case 'g':
+            if (parse_id(optarg, &cfg->inner_gid) < 0)
+                return fail(err, "arguments", EINVAL, "bad gid %s", optarg);
+            break;
+        case 'w':
+            cfg->workspace = optarg;
+            break;
+        case 'h':
+            cfg->hostname = optarg;
+            break;
+        case 'n':
+            cfg->share_network = 1;
+            break;
+        default:
+            return fail(err, "arguments", EINVAL, "unknown argument");
+        }
+    }
+    if (!cfg->workspace || optind != argc)
+        return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
+    cfg->outer_uid = getuid();
+    cfg->outer_gid = getgid();
+    return 0;
+}
+
+/* Python ignores SIGPIPE and the ignored disposition survives execve; a guest
+ * must start with every signal at its default. */
+static void reset_signals(void)
+{
+    sigset_t none;
+
+    for (int sig = 1; sig < NSIG; sig++)
+        signal(sig, SIG_DFL);
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+static int wait_for_holder(pid_t holder)
+{
+    int status;
+
+    while (waitpid(holder, &status, 0) < 0)
+        if (errno != EINTR)
+            return 1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+int main(int argc, char **argv)
+{
+    struct holder_config cfg = {0};
+    struct sbx_report err;
+    pid_t holder;
+
+    reset_signals();
+    if (parse_args(argc, argv, &cfg, &err) < 0 || userns_enter(&cfg, &err) < 0)
+        goto report;
+    holder = fork();
+    if (holder < 0) {
+        fail(&err, "fork", errno, "cannot start the holder: %s", strerror(errno));
+        goto report;
+    }
+    if (holder > 0) {
+        close(CONTROL_FD);
+        return wait_for_holder(holder);
+    }
+
+    /* pid 1 of the session's pid namespace from here on. The parent carries
+     * PR_SET_PDEATHSIG for the host; this one chains it, and also exits when
+     * the host's end of the control socket closes. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) {
+        fail(&err, "pdeathsig", errno, "cannot set the parent-death signal: %s", strerror(errno));
+        goto report;
+    }
+    if (rootfs_build(&cfg, &err) < 0)
+        goto report;
+    if (sethostname(cfg.hostname, strlen(cfg.hostname)) < 0) {
+        fail(&err, "hostname", errno, "cannot set the hostname: %s", strerror(errno));
+        goto report;
+    }
+    if (!cfg.share_network && net_loopback_up(&err) < 0)
+        goto report;
+    report_send(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY});
+    return holder_serve(CONTROL_FD);
+report:
+    report_send(CONTROL_FD, &err);
+    return 1;
+}

@@ -1,0 +1,53 @@
+/* Internal interfaces of the sandbox holder program (not the cffi module). */
+#ifndef SBX_HOLDER_H
+#define SBX_HOLDER_H
+
+#include <stdarg.h>
+#include <sys/types.h>
+
+#include "sbx_proto.h"
+
+/* The host hands the holder its end of the control socket as this fd. */
+#define CONTROL_FD 3
+
+struct holder_config {
+    uid_t inner_uid, outer_uid;
+    gid_t inner_gid, outer_gid;
+    const char *workspace;
+    const char *hostname;
+    int share_network;
+};
+
+/* report.c: structured errors, in the spirit of crun's sync socket. */
+int fail(struct sbx_report *report, const char *step, int err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void report_send(int fd, const struct sbx_report *report);
+void report_exit_status(int fd, int wait_status);
+
+/* fds.c */
+int close_fds_except(const int *keep, int nkeep);
+ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int flags);
+int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS]);
+
+/* userns.c */
+int userns_enter(const struct holder_config *cfg, struct sbx_report *err);
+
+/* rootfs.c */
+int rootfs_build(const struct holder_config *cfg, struct sbx_report *err);
+
+/* net.c */
+int net_loopback_up(struct sbx_report *err);
+
+/* spawn.c */
+struct exec_plan {
+    const char *cwd;
+    char **argv;
+    char **envp;
+    int fds[SBX_NFDS];
+};
+pid_t spawn_idle_init(int *pidfd, int *request_fd, struct sbx_report *err);
+
+/* serve.c */
+int holder_serve(int control_fd);
+
+#endif

@@ -1,0 +1,301 @@
+/* The session's root filesystem.
+ *
+ * The host's trees are cloned with open_tree(OPEN_TREE_CLONE) *before*
+ * anything is mounted over them, so a workspace that lives under the path we
+ * later cover (NEW_ROOT) is still bound correctly. Each clone is made
+ * read-only with mount_setattr(AT_RECURSIVE): unlike a classic bind +
+ * remount, that also covers any mount nested under /usr, and the guest cannot
+ * undo it because every command drops its capabilities before exec. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "holder.h"
+#include "syscalls.h"
+
+/* Any existing directory works as the build location: what was under it has
+ * already been cloned, and the mount is private to the session. */
+#define NEW_ROOT "/tmp"
+#define MAX_BINDS 16
+#define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+
+struct bind {
+    char target[64]; /* relative to the new root */
+    int fd;          /* detached clone from open_tree */
+    uint64_t attrs;
+    int is_dir;
+};
+
+struct plan {
+    struct bind binds[MAX_BINDS];
+    int nbinds;
+    char symlinks[5][2][PATH_MAX]; /* runtime dirs the host has as symlinks */
+    int nsymlinks;
+    char resolv_conf[4096];
+};
+
+static const char *const runtime_dirs[] = {"usr", "bin", "sbin", "lib", "lib64"};
+static const char *const device_nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+
+static int clone_tree(struct plan *plan, const char *source, const char *target, uint64_t attrs,
+                      struct sbx_report *err)
+{
+    struct bind *bind = &plan->binds[plan->nbinds];
+    struct stat st;
+    int fd;
+
+    if (plan->nbinds == MAX_BINDS)
+        return fail(err, "bind", E2BIG, "too many bind mounts");
+    fd = sys_open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (fd < 0)
+        return fail(err, "bind", errno, "cannot clone %s: %s", source, strerror(errno));
+    if (fstat(fd, &st) < 0) {
+        close(fd);
+        return fail(err, "bind", errno, "cannot stat %s: %s", source, strerror(errno));
+    }
+    if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, attrs) < 0) {
+        close(fd);
+        return fail(err, "bind", errno, "cannot restrict %s: %s", source, strerror(errno));
+    }
+    snprintf(bind->target, sizeof bind->target, "%s", target);
+    bind->fd = fd;
+    bind->attrs = attrs;
+    bind->is_dir = S_ISDIR(st.st_mode);
+    plan->nbinds++;
+    return 0;
+}
+
+static int is_directory(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int read_small_file(const char *path, char *buf, size_t size)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n;
+
+    buf[0] = '\0';
+    if (fd < 0)
+        return -errno;
+    n = read(fd, buf, size - 1);
+    close(fd);
+    if (n < 0)
+        return -errno;
+    buf[n] = '\0';
+    return 0;
+}
+
+/* Everything the root needs from the host, gathered while the host's
+ * filesystem is still visible. */
+static int collect_host_trees(const struct holder_config *cfg, struct plan *plan,
+                              struct sbx_report *err)
+{
+    char path[PATH_MAX];
+
+    for (size_t i = 0; i < sizeof runtime_dirs / sizeof runtime_dirs[0]; i++) {
+        struct stat st;
+
+        snprintf(path, sizeof path, "/%s", runtime_dirs[i]);
+        if (lstat(path, &st) < 0)
+            continue; /* the host does not have it, so neither does the guest */
+        if (S_ISLNK(st.st_mode)) {
+            ssize_t n = readlink(path, plan->symlinks[plan->nsymlinks][1], PATH_MAX - 1);
+            if (n < 0)
+                return fail(err, "runtime", errno, "cannot read link %s: %s", path,
+                            strerror(errno));
+            plan->symlinks[plan->nsymlinks][1][n] = '\0';
+            snprintf(plan->symlinks[plan->nsymlinks][0], PATH_MAX, "%s", runtime_dirs[i]);
+            plan->nsymlinks++;
+        } else if (S_ISDIR(st.st_mode) && clone_tree(plan, path, runtime_dirs[i], RUNTIME_RO, err) < 0) {
+            return -1;
+        }
+    }
+    if (is_directory("/etc/alternatives") &&
+        clone_tree(plan, "/etc/alternatives", "etc/alternatives", RUNTIME_RO, err) < 0)
+        return -1;
+    if (is_directory("/etc/ssl/certs") &&
+        clone_tree(plan, "/etc/ssl/certs", "etc/ssl/certs", RUNTIME_RO, err) < 0)
+        return -1;
+    /* Not needed for correctness, but without it the dynamic linker probes
+     * a dozen directories on every exec. */
+    if (access("/etc/ld.so.cache", R_OK) == 0 &&
+        clone_tree(plan, "/etc/ld.so.cache", "etc/ld.so.cache", RUNTIME_RO, err) < 0)
+        return -1;
+    if (!is_directory(cfg->workspace))
+        return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
+    if (clone_tree(plan, cfg->workspace, "workspace", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, err) < 0)
+        return -1;
+    for (size_t i = 0; i < sizeof device_nodes / sizeof device_nodes[0]; i++) {
+        char target[32];
+
+        snprintf(path, sizeof path, "/dev/%s", device_nodes[i]);
+        snprintf(target, sizeof target, "dev/%s", device_nodes[i]);
+        if (clone_tree(plan, path, target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC, err) < 0)
+            return -1;
+    }
+    /* With the host's network shared, its resolver configuration is the one
+     * that works; otherwise there is no DNS to configure. */
+    if (cfg->share_network)
+        read_small_file("/etc/resolv.conf", plan->resolv_conf, sizeof plan->resolv_conf);
+    return 0;
+}
+
+static int make_dir(const char *path, struct sbx_report *err)
+{
+    if (mkdir(path, 0755) < 0 && errno != EEXIST)
+        return fail(err, "mkdir", errno, "cannot create /%s: %s", path, strerror(errno));
+    return 0;
+}
+
+static int write_file(const char *path, const char *content, struct sbx_report *err)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ssize_t len = (ssize_t)strlen(content);
+
+    if (fd < 0)
+        return fail(err, "etc", errno, "cannot create /%s: %s", path, strerror(errno));
+    if (write(fd, content, (size_t)len) != len) {
+        int e = errno;
+        close(fd);
+        return fail(err, "etc", e, "cannot write /%s: %s", path, strerror(e));
+    }
+    close(fd);
+    return 0;
+}
+
+static int attach_bind(const struct bind *bind, struct sbx_report *err)
+{
+    if (bind->is_dir) {
+        if (make_dir(bind->target, err) < 0)
+            return -1;
+    } else {
+        int fd = open(bind->target, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0)
+            return fail(err, "bind", errno, "cannot create /%s: %s", bind->target, strerror(errno));
+        close(fd);
+    }
+    if (sys_move_mount(bind->fd, "", AT_FDCWD, bind->target, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        return fail(err, "bind", errno, "cannot mount /%s: %s", bind->target, strerror(errno));
+    return 0;
+}
+
+static int mount_fs(const char *fstype, const char *target, unsigned long flags, const char *options,
+                    struct sbx_report *err)
+{
+    if (mount(fstype, target, fstype, flags, options) < 0)
+        return fail(err, "mount", errno, "cannot mount %s on /%s: %s", fstype, target,
+                    strerror(errno));
+    return 0;
+}
+
+static int write_etc(const struct holder_config *cfg, const struct plan *plan,
+                     struct sbx_report *err)
+{
+    char passwd[256], group[256], hosts[256];
+
+    if (cfg->inner_uid == 0) {
+        snprintf(passwd, sizeof passwd, "root:x:0:%u:root:/workspace:/bin/sh\n", cfg->inner_gid);
+    } else {
+        snprintf(passwd, sizeof passwd,
+                 "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                 "sandbox:x:%u:%u:sandbox:/workspace:/bin/sh\n",
+                 cfg->inner_uid, cfg->inner_gid);
+    }
+    if (cfg->inner_gid == 0)
+        snprintf(group, sizeof group, "root:x:0:\n");
+    else
+        snprintf(group, sizeof group, "root:x:0:\nsandbox:x:%u:\n", cfg->inner_gid);
+    snprintf(hosts, sizeof hosts, "127.0.0.1\tlocalhost %s\n::1\tlocalhost ip6-localhost\n",
+             cfg->hostname);
+    if (write_file("etc/passwd", passwd, err) < 0 || write_file("etc/group", group, err) < 0 ||
+        write_file("etc/hosts", hosts, err) < 0 ||
+        write_file("etc/hostname", cfg->hostname, err) < 0 ||
+        write_file("etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n", err) < 0)
+        return -1;
+    if (plan->resolv_conf[0] && write_file("etc/resolv.conf", plan->resolv_conf, err) < 0)
+        return -1;
+    return 0;
+}
+
+static int build_dev(struct sbx_report *err)
+{
+    static const char *const links[][2] = {
+        {"pts/ptmx", "dev/ptmx"},       {"/proc/self/fd", "dev/fd"},
+        {"/proc/self/fd/0", "dev/stdin"}, {"/proc/self/fd/1", "dev/stdout"},
+        {"/proc/self/fd/2", "dev/stderr"},
+    };
+
+    if (make_dir("dev", err) < 0 ||
+        mount_fs("tmpfs", "dev", MS_NOSUID | MS_NOEXEC, "mode=0755", err) < 0 ||
+        make_dir("dev/pts", err) < 0 || make_dir("dev/shm", err) < 0 ||
+        mount_fs("devpts", "dev/pts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620",
+                 err) < 0)
+        return -1;
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++)
+        if (symlink(links[i][0], links[i][1]) < 0)
+            return fail(err, "dev", errno, "cannot link /%s: %s", links[i][1], strerror(errno));
+    return 0;
+}
+
+static int enter_new_root(struct sbx_report *err)
+{
+    /* pivot_root(".", ".") stacks the old root on top of the new one; a lazy
+     * unmount of "." then drops it, and nothing of the host's tree remains
+     * reachable. */
+    if (sys_pivot_root(".", ".") < 0)
+        return fail(err, "pivot_root", errno, "cannot pivot into the new root: %s", strerror(errno));
+    if (umount2(".", MNT_DETACH) < 0)
+        return fail(err, "pivot_root", errno, "cannot detach the host root: %s", strerror(errno));
+    if (chdir("/") < 0)
+        return fail(err, "pivot_root", errno, "cannot enter the new root: %s", strerror(errno));
+    /* Only /workspace (and each command's own /tmp and /dev/shm) is writable. */
+    if (sys_mount_setattr(AT_FDCWD, "/", 0, MOUNT_ATTR_RDONLY) < 0 ||
+        sys_mount_setattr(AT_FDCWD, "/dev", 0, MOUNT_ATTR_RDONLY) < 0)
+        return fail(err, "readonly", errno, "cannot make the root read-only: %s", strerror(errno));
+    return 0;
+}
+
+int rootfs_build(const struct holder_config *cfg, struct sbx_report *err)
+{
+    static struct plan plan;
+
+    /* Nothing we mount may propagate back to the host's namespace. */
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+        return fail(err, "mount-private", errno, "cannot make mounts private: %s", strerror(errno));
+    if (collect_host_trees(cfg, &plan, err) < 0)
+        return -1;
+    if (mount_fs("tmpfs", NEW_ROOT, MS_NOSUID | MS_NODEV, "mode=0755", err) < 0)
+        return -1;
+    if (chdir(NEW_ROOT) < 0)
+        return fail(err, "chdir", errno, "cannot enter the new root: %s", strerror(errno));
+    if (make_dir("etc", err) < 0 || make_dir("etc/ssl", err) < 0 || make_dir("proc", err) < 0 ||
+        make_dir("tmp", err) < 0 || make_dir("run", err) < 0 || build_dev(err) < 0)
+        return -1;
+    for (int i = 0; i < plan.nsymlinks; i++)
+        if (symlink(plan.symlinks[i][1], plan.symlinks[i][0]) < 0)
+            return fail(err, "runtime", errno, "cannot link /%s: %s", plan.symlinks[i][0],
+                        strerror(errno));
+    for (int i = 0; i < plan.nbinds; i++) {
+        if (attach_bind(&plan.binds[i], err) < 0)
+            return -1;
+        close(plan.binds[i].fd);
+    }
+    /* The holder is pid 1 of the session's pid namespace, so this proc shows
+     * only the session; each command mounts its own over it. The kernel lets
+     * a user namespace mount proc only where a fully visible proc already
+     * exists in the mount namespace: this one is what makes the per-command
+     * mounts possible after the host's tree is gone. */
+    if (mount_fs("proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, err) < 0)
+        return -1;
+    if (write_etc(cfg, &plan, err) < 0)
+        return -1;
+    return enter_new_root(err);
+}

@@ -1,0 +1,62 @@
+/* Wire protocol between the Python host and the sandbox holder.
+ *
+ * This header is the single definition of the messages: the holder includes
+ * it, and the cffi module declares the same structs with "..." so Python takes
+ * their layout from the compiler instead of repeating it.
+ *
+ * Control socket (SOCK_SEQPACKET, one per session):
+ *   host -> holder   one struct sbx_exec_request followed by strings_len bytes
+ *                    of NUL-terminated strings (cwd, argv[0..argc), env[0..envc)),
+ *                    with SBX_NFDS descriptors attached by SCM_RIGHTS.
+ *   holder -> host   one struct sbx_report: READY once setup is done, or ERROR.
+ *
+ * Command socket (SOCK_SEQPACKET, one per command, passed as SBX_FD_REPLY):
+ *   holder/init -> host   ERROR (a setup step failed) and then EXITED, once the
+ *                         command and every descendant are gone.
+ *   host -> holder        struct sbx_signal_request; closing the socket kills
+ *                         the command's whole tree.
+ */
+#ifndef SBX_PROTO_H
+#define SBX_PROTO_H
+
+#include <stdint.h>
+
+#define SBX_PROTO_VERSION 1
+/* Upper bound on the strings of one request (cwd + argv + env). */
+#define SBX_MAX_REQUEST_STRINGS (128 * 1024)
+
+enum sbx_request_fd {
+    SBX_FD_REPLY = 0,
+    SBX_FD_STDIN = 1,
+    SBX_FD_STDOUT = 2,
+    SBX_FD_STDERR = 3,
+    SBX_NFDS = 4,
+};
+
+struct sbx_exec_request {
+    uint32_t version;
+    uint32_t argc;
+    uint32_t envc;
+    uint32_t strings_len;
+};
+
+enum sbx_report_kind {
+    SBX_REPORT_READY = 1,
+    SBX_REPORT_ERROR = 2,
+    SBX_REPORT_EXITED = 3,
+};
+
+struct sbx_report {
+    uint32_t kind;
+    int32_t exit_code; /* EXITED: the exit code, or -1 when killed by a signal */
+    int32_t signal;    /* EXITED: the terminating signal, or 0 */
+    int32_t err;       /* ERROR: errno of the failed step */
+    char step[32];     /* ERROR: which setup step failed */
+    char message[224]; /* ERROR: human-readable detail */
+};
+
+struct sbx_signal_request {
+    int32_t signal;
+};
+
+#endif

@@ -1,0 +1,213 @@
+/* The holder's request loop: one epoll set over the control socket and, per
+ * init, its pidfd and (once it runs a command) the command's reply socket.
+ *
+ * One init is always prepared ahead (see spawn.c). A request is forwarded to
+ * it as received, fds and all; the holder keeps the reply socket to forward
+ * signal requests, to notice the host giving up on the command (the socket
+ * closes), and to report for an init that was killed and so cannot. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "holder.h"
+#include "syscalls.h"
+
+enum watch_kind { WATCH_CONTROL, WATCH_REPLY, WATCH_INIT };
+
+struct init;
+
+struct watch {
+    enum watch_kind kind;
+    struct init *init;
+};
+
+struct init {
+    pid_t pid;
+    int pidfd;
+    int request_fd; /* holder's end of the init's request socket; -1 once used */
+    int reply_fd;   /* the command's reply socket; -1 while idle or once closed */
+    struct watch reply_watch, pid_watch;
+    struct init *next;
+};
+
+static struct init *inits; /* every init not yet reaped */
+static struct init *idle;  /* the prepared one, if any */
+static int epoll_fd = -1;
+
+static int watch_fd(int fd, struct watch *watch)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = watch};
+    return epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &ev);
+}
+
+static void close_fds(int *fds, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+}
+
+static int prepare_init(struct sbx_report *err)
+{
+    struct init *init = calloc(1, sizeof *init);
+
+    if (!init)
+        return fail(err, "prepare", ENOMEM, "out of memory");
+    init->pid = spawn_idle_init(&init->pidfd, &init->request_fd, err);
+    if (init->pid < 0) {
+        free(init);
+        return -1;
+    }
+    init->reply_fd = -1;
+    init->pid_watch = (struct watch){WATCH_INIT, init};
+    init->reply_watch = (struct watch){WATCH_REPLY, init};
+    if (watch_fd(init->pidfd, &init->pid_watch) < 0) {
+        int e = errno;
+        /* Unwatched, it could never be reaped: don't let it exist. */
+        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+        waitpid(init->pid, NULL, 0);
+        close(init->pidfd);
+        close(init->request_fd);
+        free(init);
+        return fail(err, "prepare", e, "cannot watch the command's init");
+    }
+    init->next = inits;
+    inits = init;
+    idle = init;
+    return 0;
+}
+
+static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
+{
+    struct sbx_report err;
+    struct init *init;
+
+    if (!idle && prepare_init(&err) < 0)
+        goto refuse;
+    init = idle;
+    idle = NULL;
+    if (send_request(init->request_fd, buf, len, fds) < 0) {
+        fail(&err, "dispatch", errno, "cannot hand the command to its init");
+        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+        goto refuse;
+    }
+    close(init->request_fd);
+    init->request_fd = -1;
+    /* The init has its own copies now; the holder keeps only the reply. */
+    close_fds(fds + SBX_FD_STDIN, SBX_NFDS - SBX_FD_STDIN);
+    init->reply_fd = fds[SBX_FD_REPLY];
+    if (watch_fd(init->reply_fd, &init->reply_watch) < 0)
+        sys_pidfd_send_signal(init->pidfd, SIGKILL); /* unmanageable: its reap reports */
+    /* Get the next one ready while this command runs. A failure here is
+     * retried, and reported, by the next request. */
+    prepare_init(&err);
+    return;
+refuse:
+    report_send(fds[SBX_FD_REPLY], &err);
+    close_fds(fds, SBX_NFDS);
+}
+
+/* Returns 0 to keep serving, 1 when the host has gone away. */
+static int serve_control(int control_fd)
+{
+    static char buf[sizeof(struct sbx_exec_request) + SBX_MAX_REQUEST_STRINGS];
+    int fds[SBX_NFDS];
+    ssize_t len = receive_request(control_fd, buf, sizeof buf, fds, MSG_DONTWAIT);
+
+    if (len < 0)
+        return errno == EAGAIN || errno == EBADMSG ? 0 : 1;
+    if (len == 0)
+        return 1;
+    dispatch(buf, (size_t)len, fds);
+    return 0;
+}
+
+static void serve_reply(struct init *init)
+{
+    struct sbx_signal_request req;
+    ssize_t n;
+
+    while ((n = recv(init->reply_fd, &req, sizeof req, MSG_DONTWAIT)) == (ssize_t)sizeof req)
+        sys_pidfd_send_signal(init->pidfd, req.signal);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        /* The host closed its end: nobody wants this command any more. */
+        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
+        close(init->reply_fd);
+        init->reply_fd = -1;
+    }
+}
+
+static void reap(struct init *init)
+{
+    struct init **link;
+    int status;
+
+    if (waitpid(init->pid, &status, WNOHANG) <= 0)
+        return;
+    /* An init that exits 0 has reported the command's status itself. One that
+     * was killed (timeout, cancellation) could not: its pid namespace, and so
+     * the whole tree, is gone now, so report for it. */
+    if (init->reply_fd >= 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+        report_exit_status(init->reply_fd, status);
+    for (link = &inits; *link != init; link = &(*link)->next)
+        ;
+    *link = init->next;
+    if (idle == init)
+        idle = NULL;
+    /* Deregister before closing: a freshly cloned init may still hold a copy
+     * of these fds, and epoll forgets an fd only when its last copy closes. */
+    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->pidfd, NULL);
+    close(init->pidfd);
+    if (init->reply_fd >= 0) {
+        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
+        close(init->reply_fd);
+    }
+    if (init->request_fd >= 0)
+        close(init->request_fd);
+    free(init);
+}
+
+int holder_serve(int control_fd)
+{
+    struct watch control_watch = {WATCH_CONTROL, NULL};
+    struct epoll_event events[32];
+    struct sbx_report ignored;
+
+    epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    if (epoll_fd < 0 || watch_fd(control_fd, &control_watch) < 0)
+        return 1;
+    prepare_init(&ignored);
+    for (;;) {
+        int n = epoll_wait(epoll_fd, events, 32, -1);
+
+        if (n < 0 && errno != EINTR)
+            return 1;
+        for (int i = 0; i < n; i++) {
+            struct watch *watch = events[i].data.ptr;
+
+            switch (watch->kind) {
+            case WATCH_CONTROL:
+                /* The host is gone (or stopped us): returning makes pid 1
+                 * exit, and the kernel kills the rest of the session. */
+                if (serve_control(control_fd))
+                    return 0;
+                break;
+            case WATCH_REPLY:
+                serve_reply(watch->init);
+                break;
+            case WATCH_INIT:
+                reap(watch->init);
+                /* Later events in this batch may name the freed init; epoll
+                 * is level-triggered, so they come back on the next wait. */
+                n = 0;
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,25 @@
+"""sandboxns: fast Linux-namespace sandboxes for AI coding agents.
+
+Everything public is re-exported here; the modules behind it are private.
+"""
+
+from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
+from ._errors import ErrorCode, SandboxError
+from ._native import NativeDriver
+from ._session import RunResult, Session, create_sandbox_session, normalize_path
+from ._open import open_sandbox
+
+__all__ = [
+    "ErrorCode",
+    "ExitStatus",
+    "NativeDriver",
+    "NetworkPolicy",
+    "RunResult",
+    "SandboxDriver",
+    "SandboxError",
+    "SandboxProcess",
+    "Session",
+    "create_sandbox_session",
+    "normalize_path",
+    "open_sandbox",
+]

@@ -1,0 +1,90 @@
+"""What a sandbox driver must provide, and the values drivers share.
+
+A driver owns one sandbox session's isolation: it spawns commands inside it
+and enforces its network policy. :class:`~sandboxns.Session` builds the
+public conveniences (text, paths, run-once with deadlines and output caps) on
+top of it, so every driver gets them identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import trio
+
+from ._errors import ErrorCode, SandboxError
+
+NetworkPolicy = Literal["deny-all", "allow-all"]
+NETWORK_POLICIES: tuple[str, ...] = ("deny-all", "allow-all")
+
+
+def check_network_policy(policy: object) -> NetworkPolicy:
+    """Validate a network policy, refusing ones no driver supports yet."""
+    if isinstance(policy, str) and policy in NETWORK_POLICIES:
+        return policy  # type: ignore[return-value]
+    if isinstance(policy, Mapping) and "allow" in policy:
+        raise SandboxError(
+            ErrorCode.SANDBOX_POLICY_REFUSED,
+            "allow-list network policies need the egress gateway, which this version does not have",
+        )
+    raise SandboxError(
+        ErrorCode.SANDBOX_INVALID_ARGUMENT,
+        f"network policy must be one of {', '.join(NETWORK_POLICIES)}, not {policy!r}",
+    )
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a command ended: ``exit_code`` if it exited, ``signal`` if a
+    signal killed it (then ``exit_code`` is None)."""
+
+    exit_code: int | None
+    signal: int | None
+
+
+@runtime_checkable
+class SandboxProcess(Protocol):
+    """A running command. Its streams reach EOF once its whole tree is gone."""
+
+    stdout: trio.abc.ReceiveStream
+    stderr: trio.abc.ReceiveStream
+
+    async def wait(self) -> ExitStatus:
+        """Wait until the command and every descendant are gone. May be
+        called again after a cancelled wait."""
+        ...
+
+    async def send_signal(self, signum: int) -> None:
+        """Deliver a signal to the command; SIGKILL kills its whole tree."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the process; a command still running is killed."""
+        ...
+
+
+@runtime_checkable
+class SandboxDriver(Protocol):
+    """One sandbox session's isolation mechanism."""
+
+    name: str
+    network: NetworkPolicy
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        stdin: int | None = None,
+    ) -> SandboxProcess:
+        """Start ``argv`` inside the sandbox with exactly ``env``, in ``cwd``
+        (an absolute guest path). ``stdin`` is a host fd to hand the command
+        (None: an empty input). Raises SandboxError(SANDBOX_STOPPED) once the
+        driver is closed."""
+        ...
+
+    async def aclose(self) -> None:
+        """Kill everything in the session and release it. Idempotent."""
+        ...

@@ -1,0 +1,82 @@
+"""The only module that touches the compiled cffi module ``sandboxns._sbx``.
+
+It turns the C boundary into plain Python: the holder launcher raises
+``OSError`` instead of returning ``-errno``, and the wire structs (whose
+layout the compiler decides, see ``csrc/sbx_proto.h``) are packed and
+unpacked here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ._sbx import ffi, lib
+
+MAX_REQUEST_STRINGS: int = lib.SBX_MAX_REQUEST_STRINGS
+REPORT_SIZE: int = ffi.sizeof("struct sbx_report")
+FD_ORDER = ("reply", "stdin", "stdout", "stderr")
+assert len(FD_ORDER) == lib.SBX_NFDS
+
+REPORT_READY: int = lib.SBX_REPORT_READY
+REPORT_ERROR: int = lib.SBX_REPORT_ERROR
+REPORT_EXITED: int = lib.SBX_REPORT_EXITED
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: int
+    exit_code: int
+    signal: int
+    errno: int
+    step: str
+    message: str
+
+
+def spawn_holder(path: str, argv: Sequence[str], control_fd: int) -> int:
+    """Start a holder; returns its pid. Call from a long-lived thread: the
+    holder's parent-death signal is tied to the calling thread."""
+    c_strings = [ffi.new("char[]", os.fsencode(arg)) for arg in argv]
+    c_argv = ffi.new("char *[]", c_strings + [ffi.NULL])
+    pid = lib.sbx_spawn_holder(os.fsencode(path), c_argv, control_fd)
+    if pid < 0:
+        raise OSError(-pid, os.strerror(-pid), path)
+    return pid
+
+
+def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str]) -> bytes:
+    """Pack one exec request. Raises ValueError when the strings exceed the
+    holder's limit."""
+    items = [cwd, *argv, *(f"{key}={value}" for key, value in env.items())]
+    strings = b"".join(os.fsencode(item) + b"\0" for item in items)
+    if len(strings) > MAX_REQUEST_STRINGS:
+        raise ValueError(
+            f"arguments and environment take {len(strings)} bytes; the limit is {MAX_REQUEST_STRINGS}"
+        )
+    request = ffi.new("struct sbx_exec_request *")
+    request.version = lib.SBX_PROTO_VERSION
+    request.argc = len(argv)
+    request.envc = len(env)
+    request.strings_len = len(strings)
+    return bytes(ffi.buffer(request)) + strings
+
+
+def decode_report(data: bytes) -> Report:
+    if len(data) != REPORT_SIZE:
+        raise ValueError(f"report of {len(data)} bytes, expected {REPORT_SIZE}")
+    report = ffi.cast("struct sbx_report *", ffi.from_buffer(data))
+    return Report(
+        kind=report.kind,
+        exit_code=report.exit_code,
+        signal=report.signal,
+        errno=report.err,
+        step=ffi.string(report.step).decode("utf-8", "replace"),
+        message=ffi.string(report.message).decode("utf-8", "replace"),
+    )
+
+
+def encode_signal(signum: int) -> bytes:
+    request = ffi.new("struct sbx_signal_request *")
+    request.signal = signum
+    return bytes(ffi.buffer(request))

@@ -1,0 +1,232 @@
+"""The native driver: one C holder process per session.
+
+Creating namespaces is the expensive part of sandboxing, so a session's
+namespaces are made once, by ``sandboxns-holder``, and each command is forked
+inside them with its own fresh mount and pid namespace (see csrc/). This
+module starts the holder, talks to it over a SOCK_SEQPACKET control socket,
+and turns its structured reports into Python values and SandboxErrors.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import trio
+
+from . import _ffi
+from ._driver import ExitStatus, NetworkPolicy, check_network_policy
+from ._errors import ErrorCode, SandboxError
+
+HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
+# Session setup is a few milliseconds; this only bounds a wedged holder.
+HOLDER_READY_TIMEOUT = 10.0
+# How long a stopping session's holder gets to tear down before SIGKILL.
+HOLDER_EXIT_GRACE = 5.0
+
+
+def _error_from_report(report: _ffi.Report, what: str) -> SandboxError:
+    """Map a failed setup step to an error code: a command that cannot be
+    found or entered is the caller's to fix; anything else means the sandbox
+    itself could not be established."""
+    detail = f"{what} failed at step {report.step!r}: {report.message}"
+    if report.step in ("execve", "chdir") and report.errno in (errno.ENOENT, errno.ENOTDIR):
+        return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, detail)
+    if report.step in ("execve", "chdir") and report.errno in (errno.EACCES, errno.ENOEXEC):
+        return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, detail)
+    return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, detail)
+
+
+def _seqpacket_pair() -> tuple[socket.socket, socket.socket]:
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class NativeProcess:
+    """A command running under a holder. Talks to the holder over the
+    command's own socket: reports come in, signal requests go out, and
+    closing it kills the command's tree."""
+
+    def __init__(self, reply: trio.socket.SocketType, stdout: int, stderr: int) -> None:
+        self._reply = reply
+        self.stdout = trio.lowlevel.FdStream(stdout)
+        self.stderr = trio.lowlevel.FdStream(stderr)
+        self._status: ExitStatus | None = None
+        self._setup_error: SandboxError | None = None
+
+    async def wait(self) -> ExitStatus:
+        while self._status is None:
+            data = await self._reply.recv(_ffi.REPORT_SIZE)
+            if not data:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running"
+                )
+            report = _ffi.decode_report(data)
+            if report.kind == _ffi.REPORT_ERROR and self._setup_error is None:
+                self._setup_error = _error_from_report(report, "starting the command")
+            elif report.kind == _ffi.REPORT_EXITED:
+                if report.signal:
+                    self._status = ExitStatus(exit_code=None, signal=report.signal)
+                else:
+                    self._status = ExitStatus(exit_code=report.exit_code, signal=None)
+        if self._setup_error is not None:
+            raise self._setup_error
+        return self._status
+
+    async def send_signal(self, signum: int) -> None:
+        if self._status is not None or self._reply.fileno() < 0:
+            return
+        with contextlib.suppress(OSError):
+            await self._reply.send(_ffi.encode_signal(signum))
+
+    async def aclose(self) -> None:
+        self._reply.close()
+        await self.stdout.aclose()
+        await self.stderr.aclose()
+
+
+class NativeDriver:
+    """A sandbox session backed by one ``sandboxns-holder`` process.
+
+    Use :meth:`start`; :meth:`aclose` kills everything in the session.
+    """
+
+    name = "native"
+
+    def __init__(self) -> None:
+        raise TypeError("use 'await NativeDriver.start(...)'")
+
+    @classmethod
+    async def start(
+        cls,
+        workspace: str | os.PathLike[str],
+        *,
+        network: object = "deny-all",
+        uid: int = 1000,
+        gid: int = 1000,
+    ) -> NativeDriver:
+        policy = check_network_policy(network)
+        for label, value in (("uid", uid), ("gid", gid)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}"
+                )
+        workspace_path = Path(workspace)
+        if not workspace_path.is_dir():
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
+        if not HOLDER_PATH.exists():
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE,
+                f"the holder program {HOLDER_PATH} is missing; reinstall sandboxns with 'pip install .'",
+            )
+        argv = [
+            str(HOLDER_PATH),
+            f"--uid={uid}",
+            f"--gid={gid}",
+            f"--workspace={workspace_path.resolve()}",
+        ]
+        if policy == "allow-all":
+            argv.append("--share-network")
+
+        self = object.__new__(cls)
+        self.network = policy
+        self.workspace = workspace_path.resolve()
+        self._closed = False
+        self._send_lock = trio.Lock()
+        with contextlib.ExitStack() as cleanup:
+            host_end, holder_end = _seqpacket_pair()
+            cleanup.callback(host_end.close)
+            with holder_end:
+                # Synchronously, in this (trio's) thread: see spawn_holder.
+                try:
+                    self._pid = _ffi.spawn_holder(str(HOLDER_PATH), argv, holder_end.fileno())
+                except OSError as exc:
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_UNAVAILABLE, f"cannot start the sandbox holder: {exc}"
+                    ) from exc
+            self._pidfd = os.pidfd_open(self._pid)
+            cleanup.callback(self._reap_holder_now)
+            self._control = trio.socket.from_stdlib_socket(host_end)
+            await self._await_ready()
+            cleanup.pop_all()
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return self
+
+    def _reap_holder_now(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        os.waitpid(self._pid, 0)
+        os.close(self._pidfd)
+
+    async def _await_ready(self) -> None:
+        with trio.move_on_after(HOLDER_READY_TIMEOUT):
+            data = await self._control.recv(_ffi.REPORT_SIZE)
+            if not data:
+                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
+            report = _ffi.decode_report(data)
+            if report.kind == _ffi.REPORT_READY:
+                return
+            raise _error_from_report(report, "setting up the sandbox")
+        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder did not become ready")
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        stdin: int | None = None,
+    ) -> NativeProcess:
+        if self._closed:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped")
+        try:
+            request = _ffi.encode_request(cwd, argv, env)
+        except ValueError as exc:
+            raise SandboxError(ErrorCode.SANDBOX_LIMIT, str(exc)) from None
+        with contextlib.ExitStack() as fds:
+            host_end, holder_end = _seqpacket_pair()
+            fds.callback(host_end.close)
+            fds.enter_context(holder_end)
+            stdout_read, stdout_write = os.pipe()
+            fds.callback(os.close, stdout_read)
+            fds.callback(os.close, stdout_write)
+            stderr_read, stderr_write = os.pipe()
+            fds.callback(os.close, stderr_read)
+            fds.callback(os.close, stderr_write)
+            passed = [holder_end.fileno(), self._devnull if stdin is None else stdin, stdout_write, stderr_write]
+            try:
+                async with self._send_lock:
+                    await self._control.sendmsg(
+                        [request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passed))]
+                    )
+            except OSError as exc:
+                raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"the session's holder is gone: {exc}") from None
+            reply = trio.socket.from_stdlib_socket(host_end)
+            process = NativeProcess(reply, stdout_read, stderr_read)
+            # The holder has its own copies of everything passed; ours close
+            # when the stack unwinds, except what the process now owns.
+            fds.pop_all()
+        holder_end.close()
+        os.close(stdout_write)
+        os.close(stderr_write)
+        return process
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Closing the control socket makes the holder (pid 1 of the session)
+        # exit; the kernel then kills and reaps everything in the session
+        # before the launcher we track exits. So once the pidfd is readable,
+        # nothing of the session is left.
+        with trio.CancelScope(shield=True):
+            self._control.close()
+            os.close(self._devnull)
+            with trio.move_on_after(HOLDER_EXIT_GRACE):
+                await trio.lowlevel.wait_readable(self._pidfd)
+            self._reap_holder_now()

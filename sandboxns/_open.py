@@ -1,0 +1,38 @@
+"""open_sandbox(): a session over a host directory, for as long as a block."""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from ._errors import ErrorCode, SandboxError
+from ._native import NativeDriver
+from ._session import Session, create_sandbox_session
+
+DRIVERS = {"native": NativeDriver}
+
+
+@asynccontextmanager
+async def open_sandbox(
+    workspace: str | os.PathLike[str],
+    *,
+    driver: str = "native",
+    network: object = "deny-all",
+    uid: int = 1000,
+    gid: int = 1000,
+) -> AsyncIterator[Session]:
+    """Start a sandbox whose ``/workspace`` is the host directory
+    ``workspace``; everything in it is killed when the block exits."""
+    try:
+        driver_class = DRIVERS[driver]
+    except (KeyError, TypeError):
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT,
+            f"unknown driver {driver!r}; choose one of {', '.join(DRIVERS)}",
+        ) from None
+    sandbox_driver = await driver_class.start(workspace, network=network, uid=uid, gid=gid)
+    try:
+        yield create_sandbox_session(sandbox_driver)
+    finally:
+        await sandbox_driver.aclose()

@@ -1,0 +1,269 @@
+"""Session: the driver-independent half of a sandbox.
+
+A driver knows how to spawn inside its isolation; the session turns that into
+what callers use: argument checking, workspace path normalisation, text
+conversion, and ``run()`` with a deadline, an output cap and clean
+cancellation. Every driver gets exactly the same behaviour from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import posixpath
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import trio
+
+from ._driver import ExitStatus, SandboxDriver, SandboxProcess
+from ._errors import ErrorCode, SandboxError
+
+WORKSPACE = "/workspace"
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
+DEFAULT_ENV: Mapping[str, str] = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKSPACE,
+    "LANG": "C.UTF-8",
+}
+# A cancelled command gets this long after SIGTERM before SIGKILL.
+CANCEL_GRACE = 1.0
+_READ_CHUNK = 65536
+
+
+def _invalid(message: str) -> SandboxError:
+    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
+
+
+def normalize_path(path: object) -> str:
+    """Return the canonical guest path (``/workspace/...``) for a
+    workspace-relative or ``/workspace/...`` path; refuse anything else."""
+    if not isinstance(path, str):
+        raise _invalid(f"a path must be a string, not {type(path).__name__}")
+    if not path or "\0" in path:
+        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"invalid path {path!r}")
+    joined = path if path.startswith("/") else f"{WORKSPACE}/{path}"
+    normal = posixpath.normpath(joined)
+    if normal.startswith("//"):  # normpath keeps a leading '//'
+        normal = "/" + normal.lstrip("/")
+    if normal != WORKSPACE and not normal.startswith(WORKSPACE + "/"):
+        raise SandboxError(
+            ErrorCode.SANDBOX_PATH_REFUSED, f"path {path!r} is outside the workspace {WORKSPACE}"
+        )
+    return normal
+
+
+def _check_string(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise _invalid(f"{what} must be a string, not {type(value).__name__}")
+    if "\0" in value:
+        raise _invalid(f"{what} must not contain NUL characters")
+    return value
+
+
+def _check_env(env: object) -> dict[str, str]:
+    if not isinstance(env, Mapping):
+        raise _invalid(f"env must be a mapping of strings, not {type(env).__name__}")
+    checked = {}
+    for key, value in env.items():
+        _check_string(key, "an environment variable name")
+        if not key or "=" in key:
+            raise _invalid(f"invalid environment variable name {key!r}")
+        checked[key] = _check_string(value, f"environment variable {key}")
+    return checked
+
+
+def _check_positive(value: object, what: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _invalid(f"{what} must be a finite number, not {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise _invalid(f"{what} must be positive, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of :meth:`Session.run`.
+
+    ``exit_code`` is None when a signal ended the command (``signal`` says
+    which); a command killed at its deadline has ``timed_out`` set. Output
+    beyond the cap was dropped when ``truncated`` is set.
+    """
+
+    exit_code: int | None
+    signal: int | None
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    timed_out: bool
+    truncated: bool
+    duration: float
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+
+@dataclass
+class _OutputCollector:
+    """Reads stdout and stderr to EOF, keeping at most ``limit`` bytes of the
+    two together and discarding the rest, so a command never blocks on a full
+    pipe however much it writes."""
+
+    limit: int
+    kept: int = 0
+    truncated: bool = False
+    chunks: dict[str, list[bytes]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
+
+    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
+        while chunk := await stream.receive_some(_READ_CHUNK):
+            room = self.limit - self.kept
+            if len(chunk) > room:
+                self.truncated = True
+                chunk = chunk[:room]
+            if chunk:
+                self.chunks[name].append(chunk)
+                self.kept += len(chunk)
+
+    def output(self, name: str) -> bytes:
+        return b"".join(self.chunks[name])
+
+
+async def _feed_stdin(fd: int, data: bytes) -> None:
+    async with trio.lowlevel.FdStream(fd) as stream:
+        # A command may exit without reading its input; that is its business.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(data)
+
+
+async def _terminate(process: SandboxProcess, grace: float) -> None:
+    """SIGTERM, a grace period, then SIGKILL; returns once the tree is gone."""
+    await process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(grace):
+        await process.wait()
+        return
+    await process.send_signal(signal.SIGKILL)
+    await process.wait()
+
+
+class Session:
+    """A sandbox session over a driver: run commands in it."""
+
+    def __init__(self, driver: SandboxDriver) -> None:
+        self.driver = driver
+
+    @property
+    def network(self) -> str:
+        return self.driver.network
+
+    async def run(
+        self,
+        executable: str,
+        args: Sequence[str] = (),
+        *,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> RunResult:
+        """Run one command to completion inside the sandbox.
+
+        ``executable`` is a guest path or a name looked up on the guest's
+        ``PATH``. The environment is exactly ``env`` (default: PATH, HOME,
+        LANG). Past ``timeout`` seconds the command's whole tree is killed
+        and ``timed_out`` is set. Cancelling the call kills the tree before
+        the cancellation propagates.
+        """
+        _check_string(executable, "executable")
+        if not executable:
+            raise _invalid("executable must not be empty")
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+            raise _invalid("args must be a sequence of strings")
+        argv = [executable, *(_check_string(arg, "each argument") for arg in args)]
+        env = dict(DEFAULT_ENV) if env is None else _check_env(env)
+        guest_cwd = WORKSPACE if cwd is None else normalize_path(cwd)
+        timeout = _check_positive(timeout, "timeout")
+        if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
+            raise _invalid(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
+        if isinstance(stdin, str):
+            stdin = stdin.encode("utf-8")
+        elif stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+            raise _invalid(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
+
+        started = time.monotonic()
+        with contextlib.ExitStack() as fds:
+            stdin_read = stdin_write = None
+            if stdin is not None:
+                stdin_read, stdin_write = os.pipe()
+                fds.callback(os.close, stdin_write)
+                fds.callback(os.close, stdin_read)
+            process = await self.driver.spawn(argv, env=env, cwd=guest_cwd, stdin=stdin_read)
+            fds.pop_all()
+        if stdin_read is not None:
+            os.close(stdin_read)
+        return await self._collect(process, stdin_write, stdin, timeout, max_output_bytes, started)
+
+    async def _collect(
+        self,
+        process: SandboxProcess,
+        stdin_write: int | None,
+        stdin: bytes | None,
+        timeout: float,
+        max_output_bytes: int,
+        started: float,
+    ) -> RunResult:
+        collector = _OutputCollector(max_output_bytes)
+        timed_out = False
+        status: ExitStatus | None = None
+        failure: SandboxError | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                if stdin_write is not None:
+                    nursery.start_soon(_feed_stdin, stdin_write, stdin)
+                    stdin_write = None
+                nursery.start_soon(collector.drain, process.stdout, "stdout")
+                nursery.start_soon(collector.drain, process.stderr, "stderr")
+                # Caught here, not around the nursery, so the caller gets a
+                # SandboxError rather than an ExceptionGroup. The streams
+                # still reach EOF: wait() returns only once the tree is gone.
+                try:
+                    with trio.move_on_after(timeout) as deadline:
+                        status = await process.wait()
+                    if deadline.cancelled_caught:
+                        timed_out = True
+                        await process.send_signal(signal.SIGKILL)
+                        status = await process.wait()
+                except SandboxError as exc:
+                    failure = exc
+        finally:
+            if stdin_write is not None:
+                os.close(stdin_write)
+            with trio.CancelScope(shield=True):
+                if status is None and failure is None:
+                    with contextlib.suppress(SandboxError):
+                        await _terminate(process, CANCEL_GRACE)
+                await process.aclose()
+        if failure is not None:
+            raise failure
+        return RunResult(
+            exit_code=status.exit_code,
+            signal=status.signal,
+            stdout_bytes=collector.output("stdout"),
+            stderr_bytes=collector.output("stderr"),
+            timed_out=timed_out,
+            truncated=collector.truncated,
+            duration=time.monotonic() - started,
+        )
+
+
+def create_sandbox_session(driver: SandboxDriver) -> Session:
+    """Wrap a driver in a :class:`Session`."""
+    return Session(driver)

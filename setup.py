@@ -1,0 +1,44 @@
+"""Build the C parts: the cffi module ``sandboxns._sbx`` and the holder
+program ``sandboxns/sandboxns-holder`` that each session execs."""
+
+import os
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HOLDER_SOURCES = [
+    "csrc/holder.c",
+    "csrc/userns.c",
+    "csrc/rootfs.c",
+    "csrc/net.c",
+    "csrc/spawn.c",
+    "csrc/serve.c",
+    "csrc/report.c",
+    "csrc/fds.c",
+]
+HOLDER_NAME = "sandboxns-holder"
+HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]
+
+
+class build_ext_with_holder(build_ext):
+    """build_ext that also compiles and links the holder executable."""
+
+    def run(self):
+        super().run()
+        self.build_holder()
+
+    def build_holder(self):
+        # After run(), self.compiler is the customised compiler that built
+        # the extension; it links executables just as well.
+        compiler = self.compiler
+        objects = compiler.compile(
+            HOLDER_SOURCES, output_dir=self.build_temp, extra_postargs=HOLDER_CFLAGS
+        )
+        package_dir = "sandboxns" if self.inplace else os.path.join(self.build_lib, "sandboxns")
+        compiler.link_executable(objects, HOLDER_NAME, output_dir=package_dir)
+
+
+setup(
+    cffi_modules=["csrc/build_ffi.py:ffibuilder"],
+    cmdclass={"build_ext": build_ext_with_holder},
+)
