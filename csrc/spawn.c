@@ -227,7 +227,9 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
     return 0;
 }
 
-/* pid 1 of the command's pid namespace. */
+/* pid 1 of the command's pid namespace. It keeps the holder's stdio
+ * (/dev/null) open so the fds it receives land above 2, where setting up the
+ * command's stdio cannot clobber them. */
 static void __attribute__((noreturn)) run_init(int request_fd)
 {
     struct sigaction forward = {.sa_handler = forward_signal};
@@ -240,7 +242,7 @@ static void __attribute__((noreturn)) run_init(int request_fd)
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         setup_failed = fail(&err, "pdeathsig", errno, "cannot set the parent-death signal: %s",
                             strerror(errno));
-    else if (close_fds_except(&request_fd, 1) < 0)
+    else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
         setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
                             strerror(errno));
     else if (mount_private_fs("tmpfs", "/tmp", MS_NOSUID | MS_NODEV, "mode=1777", &err) < 0 ||

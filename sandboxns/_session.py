@@ -15,7 +15,7 @@ import posixpath
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import trio
 
@@ -77,12 +77,25 @@ def _check_env(env: object) -> dict[str, str]:
     return checked
 
 
-def _check_positive(value: object, what: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _invalid(f"{what} must be a finite number, not {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise _invalid(f"{what} must be positive, not {value!r}")
-    return value
+def _check_timeout(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _invalid(f"timeout must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+def check_command(
+    executable: object, args: object, env: object, cwd: object, timeout: object
+) -> tuple[list[str], dict[str, str], str, float]:
+    """Validate a command's arguments; returns (argv, env, guest cwd, timeout)."""
+    _check_string(executable, "executable")
+    if not executable:
+        raise _invalid("executable must not be empty")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise _invalid("args must be a sequence of strings")
+    argv = [executable, *(_check_string(arg, "each argument") for arg in args)]
+    checked_env = dict(DEFAULT_ENV) if env is None else _check_env(env)
+    guest_cwd = WORKSPACE if cwd is None else normalize_path(cwd)
+    return argv, checked_env, guest_cwd, _check_timeout(timeout)
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,20 @@ class RunResult:
     @property
     def stderr(self) -> str:
         return self.stderr_bytes.decode("utf-8", "replace")
+
+
+class OutputSink(Protocol):
+    """Where a running command's output goes."""
+
+    truncated: bool
+
+    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
+        """Read ``stream`` (named "stdout" or "stderr") to EOF."""
+        ...
+
+    def output(self, name: str) -> bytes:
+        """What was kept of the named stream."""
+        ...
 
 
 @dataclass
@@ -182,45 +209,53 @@ class Session:
         and ``timed_out`` is set. Cancelling the call kills the tree before
         the cancellation propagates.
         """
-        _check_string(executable, "executable")
-        if not executable:
-            raise _invalid("executable must not be empty")
-        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-            raise _invalid("args must be a sequence of strings")
-        argv = [executable, *(_check_string(arg, "each argument") for arg in args)]
-        env = dict(DEFAULT_ENV) if env is None else _check_env(env)
-        guest_cwd = WORKSPACE if cwd is None else normalize_path(cwd)
-        timeout = _check_positive(timeout, "timeout")
+        argv, env, guest_cwd, timeout = check_command(executable, args, env, cwd, timeout)
         if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
             raise _invalid(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
         if isinstance(stdin, str):
             stdin = stdin.encode("utf-8")
-        elif stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+        elif isinstance(stdin, (bytearray, memoryview)):
+            stdin = bytes(stdin)
+        elif stdin is not None and not isinstance(stdin, bytes):
             raise _invalid(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
 
-        started = time.monotonic()
-        with contextlib.ExitStack() as fds:
-            stdin_read = stdin_write = None
-            if stdin is not None:
-                stdin_read, stdin_write = os.pipe()
-                fds.callback(os.close, stdin_write)
-                fds.callback(os.close, stdin_read)
-            process = await self.driver.spawn(argv, env=env, cwd=guest_cwd, stdin=stdin_read)
-            fds.pop_all()
-        if stdin_read is not None:
-            os.close(stdin_read)
-        return await self._collect(process, stdin_write, stdin, timeout, max_output_bytes, started)
+        return await self._execute(
+            argv,
+            env=env,
+            cwd=guest_cwd,
+            stdin=stdin,
+            timeout=timeout,
+            output=_OutputCollector(max_output_bytes),
+        )
 
-    async def _collect(
+    async def _execute(
         self,
-        process: SandboxProcess,
-        stdin_write: int | None,
-        stdin: bytes | None,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
         timeout: float,
-        max_output_bytes: int,
-        started: float,
+        output: OutputSink,
+        stdin: bytes | None = None,
+        stdin_fd: int | None = None,
     ) -> RunResult:
-        collector = _OutputCollector(max_output_bytes)
+        """Run checked arguments to completion, handing the output streams to
+        ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
+        through instead (the CLI's own input)."""
+        started = time.monotonic()
+        stdin_write = None
+        if stdin is not None:
+            stdin_fd, stdin_write = os.pipe()
+            try:
+                process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin_fd)
+            except BaseException:
+                os.close(stdin_write)
+                raise
+            finally:
+                os.close(stdin_fd)
+        else:
+            process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin_fd)
+
         timed_out = False
         status: ExitStatus | None = None
         failure: SandboxError | None = None
@@ -229,8 +264,8 @@ class Session:
                 if stdin_write is not None:
                     nursery.start_soon(_feed_stdin, stdin_write, stdin)
                     stdin_write = None
-                nursery.start_soon(collector.drain, process.stdout, "stdout")
-                nursery.start_soon(collector.drain, process.stderr, "stderr")
+                nursery.start_soon(output.drain, process.stdout, "stdout")
+                nursery.start_soon(output.drain, process.stderr, "stderr")
                 # Caught here, not around the nursery, so the caller gets a
                 # SandboxError rather than an ExceptionGroup. The streams
                 # still reach EOF: wait() returns only once the tree is gone.
@@ -256,10 +291,10 @@ class Session:
         return RunResult(
             exit_code=status.exit_code,
             signal=status.signal,
-            stdout_bytes=collector.output("stdout"),
-            stderr_bytes=collector.output("stderr"),
+            stdout_bytes=output.output("stdout"),
+            stderr_bytes=output.output("stderr"),
             timed_out=timed_out,
-            truncated=collector.truncated,
+            truncated=output.truncated,
             duration=time.monotonic() - started,
         )
 

@@ -1,0 +1,75 @@
+"""Shared fixtures. Every behavioural test takes ``session`` (or
+``driver_name``), so it runs against every driver the project has."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+import sandboxns
+
+DRIVERS = ["native"]
+
+
+@pytest.fixture(params=DRIVERS)
+def driver_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    path = tmp_path / "workspace"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+async def session(driver_name: str, workspace: Path):
+    async with sandboxns.open_sandbox(workspace, driver=driver_name) as opened:
+        yield opened
+
+
+def sleep_marker() -> str:
+    """A unique `sleep` duration, so a test can find exactly its own guest
+    processes in the host's process table."""
+    return f"{1000 + random.random():.9f}"
+
+
+def host_processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains marker, as the kernel lists them."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and int(entry) != os.getpid():
+            found.append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of pid on the host."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = {int(child) for child in f.read().split()}
+            except OSError:
+                continue
+            pending.extend(children - found)
+            found |= children
+    return found

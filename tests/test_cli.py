@@ -1,0 +1,74 @@
+"""The sandboxns command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.smoke
+
+
+def sandboxns(*args: str, cwd, env=None, input=None) -> subprocess.CompletedProcess:
+    # Run from a scratch directory so the source tree is not importable.
+    return subprocess.run(
+        [sys.executable, "-m", "sandboxns", *args],
+        cwd=cwd,
+        capture_output=True,
+        input=input,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
+
+
+def test_run_streams_output_and_returns_the_exit_code(tmp_path):
+    done = sandboxns("run", "--", "/bin/sh", "-c", "echo out; echo err >&2; exit 7", cwd=tmp_path,
+                     env={"XDG_STATE_HOME": str(tmp_path / "state")})
+    assert (done.returncode, done.stdout, done.stderr) == (7, b"out\n", b"err\n")
+
+
+def test_run_over_a_workspace_with_env_and_stdin(tmp_path):
+    (tmp_path / "ws").mkdir()
+    done = sandboxns(
+        "run", "--workspace", str(tmp_path / "ws"), "--env", "GREETING=hi", "--",
+        "/bin/sh", "-c", "cat > note; echo $GREETING; pwd",
+        cwd=tmp_path, input=b"from stdin",
+    )
+    assert done.returncode == 0
+    assert done.stdout == b"hi\n/workspace\n"
+    assert (tmp_path / "ws" / "note").read_bytes() == b"from stdin"
+
+
+def test_default_workspace_is_new_empty_and_removed(tmp_path):
+    state = tmp_path / "state"
+    done = sandboxns("run", "--", "/bin/sh", "-c", "ls -A; touch x", cwd=tmp_path, env={"XDG_STATE_HOME": str(state)})
+    assert (done.returncode, done.stdout) == (0, b"")
+    assert list((state / "sandboxns" / "tmp").iterdir()) == []
+
+
+def test_signal_timeout_and_errors_map_to_exit_statuses(tmp_path):
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    assert sandboxns("run", "--", "/bin/sh", "-c", "kill -KILL $$", cwd=tmp_path, env=env).returncode == 128 + 9
+    timed_out = sandboxns("run", "--timeout", "0.3", "--", "/bin/sleep", "100", cwd=tmp_path, env=env)
+    assert timed_out.returncode == 124 and b"timed out" in timed_out.stderr
+    missing = sandboxns("run", "--", "/no/such/program", cwd=tmp_path, env=env)
+    assert missing.returncode == 127 and b"/no/such/program" in missing.stderr
+    no_workspace = sandboxns("run", "--workspace", str(tmp_path / "nope"), "--", "true", cwd=tmp_path, env=env)
+    assert no_workspace.returncode == 127 and b"not a directory" in no_workspace.stderr
+
+
+def test_network_flag(tmp_path):
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    deny = sandboxns("run", "--", "/bin/cat", "/proc/net/dev", cwd=tmp_path, env=env)
+    allow = sandboxns("run", "--network", "allow-all", "--", "/bin/cat", "/proc/net/dev", cwd=tmp_path, env=env)
+    host = open("/proc/net/dev", "rb").read()
+    assert deny.stdout.count(b":") == 1  # lo only
+    assert allow.stdout.count(b":") == host.count(b":")
+
+
+def test_doctor(tmp_path):
+    done = sandboxns("doctor", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout
+    assert b"user-namespaces" in done.stdout
