@@ -202,3 +202,27 @@ async def test_missing_workspace_is_not_found(tmp_path):
         async with sandboxns.open_sandbox(tmp_path / "missing"):
             pass
     assert error.value.code == ErrorCode.SANDBOX_NOT_FOUND
+
+
+async def test_cancellation_forwards_sigterm_to_the_command(session, workspace):
+    fifo = workspace / "started"
+    os.mkfifo(fifo)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                session.run,
+                "/bin/sh",
+                ["-c", "trap 'echo term > /workspace/got; exit 0' TERM; echo > /workspace/started; "
+                       "while :; do sleep 0.01; done"],
+            )
+            await trio.to_thread.run_sync(fifo.read_bytes)
+            scope.cancel()
+    assert (workspace / "got").read_text() == "term\n"
+
+
+async def test_command_leads_its_own_session(session):
+    # Field 6 of /proc/PID/stat is the session id; the shell's equals its pid.
+    result = await session.run("/bin/sh", ["-c", "echo $$; cut -d' ' -f6 /proc/$$/stat; tty"])
+    pid, sid, tty = result.stdout.split("\n")[:3]
+    assert pid == sid
+    assert tty == "not a tty"
