@@ -40,12 +40,16 @@ ffibuilder.cdef(
     };
 
     int sbx_spawn_holder(const char *path, char *const argv[], int control_fd);
+
+    #define RESOLVE_BENEATH ...
+    #define RESOLVE_NO_MAGICLINKS ...
+    int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
     """
 )
 ffibuilder.set_source(
     "sandboxns._sbx",
-    '#include "ffi_spawn.h"',
-    sources=[f"{CSRC}/ffi_spawn.c"],
+    '#include <linux/openat2.h>\n#include "sbx_ffi.h"',
+    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c"],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,
 )

@@ -10,7 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ffi_spawn.h"
+#include "sbx_ffi.h"
 
 /* The parent-death signal fires when the *thread* that forked the holder
  * exits, not the process: call this from a thread that lives as long as the

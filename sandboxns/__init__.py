@@ -5,11 +5,13 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
+from ._files import DirEntry
 from ._native import NativeDriver
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
 from ._open import open_sandbox
 
 __all__ = [
+    "DirEntry",
     "ErrorCode",
     "ExitStatus",
     "NativeDriver",

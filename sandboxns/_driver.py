@@ -14,6 +14,7 @@ from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
 import trio
 
 from ._errors import ErrorCode, SandboxError
+from ._files import DirEntry
 
 NetworkPolicy = Literal["deny-all", "allow-all"]
 NETWORK_POLICIES: tuple[str, ...] = ("deny-all", "allow-all")
@@ -66,10 +67,33 @@ class SandboxProcess(Protocol):
 
 @runtime_checkable
 class SandboxDriver(Protocol):
-    """One sandbox session's isolation mechanism."""
+    """One sandbox session's isolation mechanism: spawning inside it, byte
+    file I/O on its workspace, and its network policy.
+
+    Paths given to a driver are canonical guest paths (``/workspace/...``);
+    the session has already refused anything else. A driver must still
+    refuse, with SANDBOX_PATH_REFUSED, a path that *resolves* outside the
+    workspace (through symlinks the guest made)."""
 
     name: str
     network: NetworkPolicy
+
+    async def read_bytes(self, path: str, max_bytes: int) -> bytes:
+        """A regular file's content; SANDBOX_LIMIT if longer than max_bytes."""
+        ...
+
+    async def write_bytes(self, path: str, data: bytes) -> None:
+        """Create or atomically replace a file; its directory must exist."""
+        ...
+
+    async def list_dir(self, path: str) -> list[DirEntry]:
+        ...
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        ...
+
+    async def mkdir(self, path: str, parents: bool = False) -> None:
+        ...
 
     async def spawn(
         self,

@@ -45,6 +45,17 @@ def spawn_holder(path: str, argv: Sequence[str], control_fd: int) -> int:
     return pid
 
 
+def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    """openat2(dirfd, path) that the kernel refuses (EXDEV/ELOOP) if resolving
+    it would leave dirfd's directory. Raises OSError; returns the new fd."""
+    fd = lib.sbx_openat2(
+        dirfd, os.fsencode(path), flags | os.O_CLOEXEC, mode, lib.RESOLVE_BENEATH | lib.RESOLVE_NO_MAGICLINKS
+    )
+    if fd < 0:
+        raise OSError(-fd, os.strerror(-fd), path)
+    return fd
+
+
 def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str]) -> bytes:
     """Pack one exec request. Raises ValueError when the strings exceed the
     holder's limit."""

@@ -23,6 +23,7 @@ import trio
 from . import _ffi
 from ._driver import ExitStatus, NetworkPolicy, check_network_policy
 from ._errors import ErrorCode, SandboxError
+from ._files import HostWorkspaceIO, WorkspaceFiles
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
 # Session setup is a few milliseconds; this only bounds a wedged holder.
@@ -90,7 +91,7 @@ class NativeProcess:
         await self.stderr.aclose()
 
 
-class NativeDriver:
+class NativeDriver(HostWorkspaceIO):
     """A sandbox session backed by one ``sandboxns-holder`` process.
 
     Use :meth:`start`; :meth:`aclose` kills everything in the session.
@@ -155,6 +156,7 @@ class NativeDriver:
             await self._await_ready()
             cleanup.pop_all()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._files = WorkspaceFiles(self.workspace)
         return self
 
     def _reap_holder_now(self) -> None:
@@ -227,6 +229,7 @@ class NativeDriver:
         with trio.CancelScope(shield=True):
             self._control.close()
             os.close(self._devnull)
+            self._files.close()
             with trio.move_on_after(HOLDER_EXIT_GRACE):
                 await trio.lowlevel.wait_readable(self._pidfd)
             self._reap_holder_now()

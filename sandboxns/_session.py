@@ -21,10 +21,12 @@ import trio
 
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
+from ._files import DirEntry
 
 WORKSPACE = "/workspace"
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API
 DEFAULT_ENV: Mapping[str, str] = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKSPACE,
@@ -189,6 +191,39 @@ class Session:
     @property
     def network(self) -> str:
         return self.driver.network
+
+    async def read_file(self, path: str) -> bytes:
+        """The content of a workspace file (at most 1 MiB)."""
+        return await self.driver.read_bytes(normalize_path(path), MAX_FILE_BYTES)
+
+    async def read_text_file(self, path: str) -> str:
+        """A workspace file as text (UTF-8; invalid bytes replaced)."""
+        return (await self.read_file(path)).decode("utf-8", "replace")
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Create or atomically replace a workspace file (at most 1 MiB)."""
+        guest_path = normalize_path(path)
+        if isinstance(data, (bytearray, memoryview)):
+            data = bytes(data)
+        if not isinstance(data, bytes):
+            raise _invalid(f"data must be bytes, not {type(data).__name__}")
+        if len(data) > MAX_FILE_BYTES:
+            raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{len(data)} bytes is over the {MAX_FILE_BYTES}-byte limit")
+        await self.driver.write_bytes(guest_path, data)
+
+    async def write_text_file(self, path: str, text: str) -> None:
+        if not isinstance(text, str):
+            raise _invalid(f"text must be a string, not {type(text).__name__}")
+        await self.write_file(path, text.encode("utf-8"))
+
+    async def list_dir(self, path: str = ".") -> list[DirEntry]:
+        return await self.driver.list_dir(normalize_path(path))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self.driver.remove(normalize_path(path), recursive=bool(recursive))
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> None:
+        await self.driver.mkdir(normalize_path(path), parents=bool(parents))
 
     async def run(
         self,

@@ -86,8 +86,8 @@ def test_sigkill_of_the_host_leaves_no_sandbox_process(tmp_path):
         assert host.stdout.readline() == b"ready\n"
         # Everything the sandbox consists of, as the host kernel sees it.
         sandbox = descendants(host.pid)
-        # The shell and its two children (forked copies share its cmdline).
-        assert len(set(host_processes_with(marker)) & sandbox) >= 3
+        # The guest's processes are among them (the check below is not vacuous).
+        assert set(host_processes_with(marker)) & sandbox
         pidfds = [os.pidfd_open(pid) for pid in sandbox]
     finally:
         host.kill()

@@ -168,6 +168,9 @@ async def test_run_after_stop_is_refused(driver_name, workspace):
     with pytest.raises(SandboxError) as error:
         await session.run("true")
     assert error.value.code == ErrorCode.SANDBOX_STOPPED
+    with pytest.raises(SandboxError) as error:
+        await session.read_file("anything")
+    assert error.value.code == ErrorCode.SANDBOX_STOPPED
 
 
 async def test_concurrent_commands_in_one_session(session):

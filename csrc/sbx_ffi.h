@@ -1,0 +1,14 @@
+/* The C boundary of the Python extension sandboxns._sbx: every function the
+ * cffi module exposes, all prefixed sbx_ and returning -errno on failure. */
+#ifndef SBX_FFI_H
+#define SBX_FFI_H
+
+#include "sbx_proto.h"
+
+/* Must match CONTROL_FD in holder.h. */
+#define SBX_HOLDER_CONTROL_FD 3
+
+int sbx_spawn_holder(const char *path, char *const argv[], int control_fd);
+int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
+
+#endif

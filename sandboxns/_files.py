@@ -1,0 +1,205 @@
+"""Contained byte file I/O on a workspace directory, from the host.
+
+Every path is resolved by the kernel with openat2(RESOLVE_BENEATH) relative to
+an fd of the workspace opened once, so nothing a guest does to the tree
+(symlinks to /etc, "..", a rename race) can make the host touch a file outside
+it. Paths arrive as canonical guest paths (``/workspace/...``, see
+``normalize_path``). Writes go to a temporary file that is renamed over the
+target, so a failed write never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+from . import _ffi
+from ._errors import ErrorCode, SandboxError
+
+WORKSPACE = "/workspace"
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    """One entry of a workspace directory."""
+
+    name: str
+    kind: Literal["file", "directory", "symlink", "other"]
+    size: int
+
+
+def _kind(mode: int) -> Literal["file", "directory", "symlink", "other"]:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _error(exc: OSError, guest_path: str) -> SandboxError:
+    if exc.errno in (errno.EXDEV, errno.ELOOP):
+        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} resolves outside the workspace")
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
+    if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+        return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path}: {exc.strerror}")
+    return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {exc.strerror}")
+
+
+class WorkspaceFiles:
+    """Byte file operations confined to one host directory."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._root >= 0:
+            os.close(self._root)
+            self._root = -1
+
+    @staticmethod
+    def _relative(guest_path: str) -> str:
+        return os.path.relpath(guest_path, WORKSPACE)
+
+    def _open(self, guest_path: str, flags: int, mode: int = 0) -> int:
+        try:
+            return _ffi.open_beneath(self._root, self._relative(guest_path), flags, mode)
+        except OSError as exc:
+            raise _error(exc, guest_path) from None
+
+    def _parent(self, guest_path: str) -> tuple[int, str]:
+        """An O_PATH fd of the parent directory and the final name."""
+        if guest_path == WORKSPACE:
+            raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, "the workspace root itself cannot be replaced or removed")
+        parent, name = guest_path.rsplit("/", 1)
+        return self._open(parent, os.O_PATH | os.O_DIRECTORY), name
+
+    def read_bytes(self, guest_path: str, max_bytes: int) -> bytes:
+        fd = self._open(guest_path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not a regular file")
+            if info.st_size > max_bytes:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_LIMIT, f"{guest_path} has {info.st_size} bytes; the limit is {max_bytes}"
+                )
+            data = bytearray()
+            while chunk := os.read(fd, max_bytes + 1 - len(data)):
+                data += chunk
+                if len(data) > max_bytes:  # it grew while we read
+                    raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is larger than {max_bytes} bytes")
+            return bytes(data)
+        finally:
+            os.close(fd)
+
+    def write_bytes(self, guest_path: str, data: bytes) -> None:
+        parent, name = self._parent(guest_path)
+        temporary = f".{name}.sandboxns-{secrets.token_hex(6)}"
+        try:
+            try:
+                mode = stat.S_IMODE(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                mode = 0o644
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=parent)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError as exc:
+            with_cleanup = _error(exc, guest_path)
+            try:
+                os.unlink(temporary, dir_fd=parent)
+            except OSError:
+                pass
+            raise with_cleanup from None
+        finally:
+            os.close(parent)
+
+    def list_dir(self, guest_path: str) -> list[DirEntry]:
+        fd = self._open(guest_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            entries = []
+            with os.scandir(fd) as listing:
+                for entry in listing:
+                    info = entry.stat(follow_symlinks=False)
+                    entries.append(DirEntry(entry.name, _kind(info.st_mode), info.st_size))
+            return sorted(entries, key=lambda e: e.name)
+        finally:
+            os.close(fd)
+
+    def remove(self, guest_path: str, recursive: bool) -> None:
+        parent, name = self._parent(guest_path)
+        try:
+            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode):
+                os.unlink(name, dir_fd=parent)
+            elif recursive:
+                # rmtree with dir_fd never follows symlinks out of the tree.
+                shutil.rmtree(name, dir_fd=parent)
+            else:
+                os.rmdir(name, dir_fd=parent)
+        except OSError as exc:
+            raise _error(exc, guest_path) from None
+        finally:
+            os.close(parent)
+
+    def mkdir(self, guest_path: str, parents: bool) -> None:
+        if parents and guest_path != WORKSPACE:
+            parent_path = guest_path.rsplit("/", 1)[0]
+            if parent_path != WORKSPACE:
+                self.mkdir(parent_path, parents=True)
+        if guest_path == WORKSPACE:
+            return
+        parent, name = self._parent(guest_path)
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent)
+        except FileExistsError:
+            if not parents or not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} already exists") from None
+        except OSError as exc:
+            raise _error(exc, guest_path) from None
+        finally:
+            os.close(parent)
+
+
+class HostWorkspaceIO:
+    """The byte file I/O half of a SandboxDriver whose workspace is a host
+    directory (``self._files``). Work happens in a worker thread, so a slow
+    disk never stalls the trio loop."""
+
+    _files: WorkspaceFiles
+    _closed: bool
+
+    async def _file_op(self, operation, *args):
+        if self._closed:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped")
+        return await trio.to_thread.run_sync(operation, *args)
+
+    async def read_bytes(self, path: str, max_bytes: int) -> bytes:
+        return await self._file_op(self._files.read_bytes, path, max_bytes)
+
+    async def write_bytes(self, path: str, data: bytes) -> None:
+        await self._file_op(self._files.write_bytes, path, data)
+
+    async def list_dir(self, path: str) -> list[DirEntry]:
+        return await self._file_op(self._files.list_dir, path)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._file_op(self._files.remove, path, recursive)
+
+    async def mkdir(self, path: str, parents: bool = False) -> None:
+        await self._file_op(self._files.mkdir, path, parents)
