@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, NetworkPolicy, check_network_policy
+from ._driver import ExitStatus, check_network_policy
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 
