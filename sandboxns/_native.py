@@ -190,33 +190,28 @@ class NativeDriver(HostWorkspaceIO):
             request = _ffi.encode_request(cwd, argv, env)
         except ValueError as exc:
             raise SandboxError(ErrorCode.SANDBOX_LIMIT, str(exc)) from None
-        with contextlib.ExitStack() as fds:
-            host_end, holder_end = _seqpacket_pair()
-            fds.callback(host_end.close)
-            fds.enter_context(holder_end)
-            stdout_read, stdout_write = os.pipe()
-            fds.callback(os.close, stdout_read)
-            fds.callback(os.close, stdout_write)
-            stderr_read, stderr_write = os.pipe()
-            fds.callback(os.close, stderr_read)
-            fds.callback(os.close, stderr_write)
-            passed = [holder_end.fileno(), self._devnull if stdin is None else stdin, stdout_write, stderr_write]
-            try:
-                async with self._send_lock:
-                    await self._control.sendmsg(
-                        [request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passed))]
-                    )
-            except OSError as exc:
+        host_end, holder_end = _seqpacket_pair()
+        stdout_read, stdout_write = os.pipe()
+        stderr_read, stderr_write = os.pipe()
+        passed = [holder_end.fileno(), self._devnull if stdin is None else stdin, stdout_write, stderr_write]
+        try:
+            async with self._send_lock:
+                await self._control.sendmsg(
+                    [request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passed))]
+                )
+        except BaseException as exc:
+            host_end.close()
+            os.close(stdout_read)
+            os.close(stderr_read)
+            if isinstance(exc, (OSError, trio.ClosedResourceError)):
                 raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"the session's holder is gone: {exc}") from None
-            reply = trio.socket.from_stdlib_socket(host_end)
-            process = NativeProcess(reply, stdout_read, stderr_read)
-            # The holder has its own copies of everything passed; ours close
-            # when the stack unwinds, except what the process now owns.
-            fds.pop_all()
-        holder_end.close()
-        os.close(stdout_write)
-        os.close(stderr_write)
-        return process
+            raise
+        finally:
+            # The holder has its own copies of everything passed.
+            holder_end.close()
+            os.close(stdout_write)
+            os.close(stderr_write)
+        return NativeProcess(trio.socket.from_stdlib_socket(host_end), stdout_read, stderr_read)
 
     async def aclose(self) -> None:
         if self._closed:
