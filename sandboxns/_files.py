@@ -24,6 +24,7 @@ import trio
 from . import _ffi
 from ._errors import ErrorCode, SandboxError
 
+# Where the workspace appears inside every sandbox; guest paths start here.
 WORKSPACE = "/workspace"
 
 

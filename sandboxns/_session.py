@@ -21,9 +21,8 @@ import trio
 
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
-from ._files import DirEntry
+from ._files import WORKSPACE, DirEntry
 
-WORKSPACE = "/workspace"
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API
