@@ -7,8 +7,8 @@ from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._native import NativeDriver
-from ._session import RunResult, Session, create_sandbox_session, normalize_path
 from ._open import open_sandbox
+from ._session import RunResult, Session, create_sandbox_session, normalize_path
 
 __all__ = [
     "DirEntry",

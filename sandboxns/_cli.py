@@ -8,8 +8,8 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import trio
 
@@ -62,7 +62,9 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
 async def _run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "no command given (usage: sandboxns run -- CMD [ARG...])")
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT, "no command given (usage: sandboxns run -- CMD [ARG...])"
+        )
     argv, env, cwd, timeout = check_command(command[0], command[1:], _parse_env(args.env), None, args.timeout)
     # The guest may read our input only when it is a pipe or file: a terminal
     # fd inside the sandbox would be a channel back to the user's session.
@@ -109,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--workspace", metavar="DIR", help="host directory to mount read-write at /workspace")
     run.add_argument("--network", choices=NETWORK_POLICIES, default="deny-all")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds (default %(default)s)")
+    run.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds (default %(default)s)"
+    )
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable (repeatable)")
     run.add_argument("--driver", choices=sorted(DRIVERS), default="native")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")

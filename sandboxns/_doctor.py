@@ -15,9 +15,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import trio
 
@@ -96,8 +96,7 @@ def _check_kernel() -> tuple[bool, str]:
     wanted = ".".join(map(str, MIN_KERNEL))
     if version < MIN_KERNEL:
         return False, (
-            f"Linux {release} is too old: sandboxns needs {wanted} or newer "
-            "(for mount_setattr); upgrade the kernel"
+            f"Linux {release} is too old: sandboxns needs {wanted} or newer (for mount_setattr); upgrade the kernel"
         )
     return True, f"Linux {release} (>= {wanted})"
 
@@ -115,15 +114,12 @@ def _check_user_namespaces() -> tuple[bool, str]:
     # Debian's older kernels gate unprivileged user namespaces separately;
     # root is exempt from that gate.
     if _read_sysctl("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-        fix = (
-            "run 'sysctl -w kernel.unprivileged_userns_clone=1' "
-            "(and add it to /etc/sysctl.d/ to keep it)"
-        )
+        fix = "run 'sysctl -w kernel.unprivileged_userns_clone=1' (and add it to /etc/sysctl.d/ to keep it)"
         if os.geteuid() != 0:
             return False, f"unprivileged user namespaces are disabled; {fix}"
         note = f"; non-root users are blocked by kernel.unprivileged_userns_clone=0: to allow them, {fix}"
     probe = subprocess.run(
-        [sys.executable, "-c", _USERNS_PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT
+        [sys.executable, "-c", _USERNS_PROBE], check=False, capture_output=True, text=True, timeout=PROBE_TIMEOUT
     )
     if probe.returncode != 0:
         reason = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit status {probe.returncode}"
@@ -184,8 +180,11 @@ def _check_openat2() -> tuple[bool, str]:
     root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = libc.syscall(
-            ctypes.c_long(SYS_OPENAT2), ctypes.c_int(root), ctypes.c_char_p(b"."),
-            ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
+            ctypes.c_long(SYS_OPENAT2),
+            ctypes.c_int(root),
+            ctypes.c_char_p(b"."),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
         )
         err = ctypes.get_errno()
     finally:
@@ -213,7 +212,7 @@ def _check_bwrap() -> tuple[bool, str]:
     bwrap = shutil.which("bwrap") or ("/usr/bin/bwrap" if os.path.exists("/usr/bin/bwrap") else None)
     if bwrap is None:
         return False, "bwrap not found (only the benchmarks use it); run 'apt-get install -y bubblewrap'"
-    result = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=5)
+    result = subprocess.run([bwrap, "--version"], check=False, capture_output=True, text=True, timeout=5)
     if result.returncode != 0:
         return False, f"{bwrap} --version failed: {result.stderr.strip() or result.returncode}"
     return True, f"{result.stdout.strip()} at {bwrap}"
@@ -244,7 +243,7 @@ def _check_sandbox() -> tuple[bool, str]:
 def _run(name: str, required: bool, probe: Probe) -> Check:
     try:
         ok, detail = probe()
-    except Exception as exc:  # a broken probe is a failed check, never a crash
+    except Exception as exc:  # noqa: BLE001 - a broken probe is a failed check, never a crash
         ok, detail = False, f"the check itself failed: {type(exc).__name__}: {exc}"
     return Check(name=name, ok=ok, detail=detail, required=required)
 

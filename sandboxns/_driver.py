@@ -8,8 +8,9 @@ top of it, so every driver gets them identically.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import trio
 
@@ -86,14 +87,11 @@ class SandboxDriver(Protocol):
         """Create or atomically replace a file; its directory must exist."""
         ...
 
-    async def list_dir(self, path: str) -> list[DirEntry]:
-        ...
+    async def list_dir(self, path: str) -> list[DirEntry]: ...
 
-    async def remove(self, path: str, recursive: bool = False) -> None:
-        ...
+    async def remove(self, path: str, recursive: bool = False) -> None: ...
 
-    async def mkdir(self, path: str, parents: bool = False) -> None:
-        ...
+    async def mkdir(self, path: str, parents: bool = False) -> None: ...
 
     async def spawn(
         self,

@@ -9,8 +9,8 @@ unpacked here and nowhere else.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ._sbx import ffi, lib
 
@@ -62,9 +62,7 @@ def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str]) -> byt
     items = [cwd, *argv, *(f"{key}={value}" for key, value in env.items())]
     strings = b"".join(os.fsencode(item) + b"\0" for item in items)
     if len(strings) > MAX_REQUEST_STRINGS:
-        raise ValueError(
-            f"arguments and environment take {len(strings)} bytes; the limit is {MAX_REQUEST_STRINGS}"
-        )
+        raise ValueError(f"arguments and environment take {len(strings)} bytes; the limit is {MAX_REQUEST_STRINGS}")
     request = ffi.new("struct sbx_exec_request *")
     request.version = lib.SBX_PROTO_VERSION
     request.argc = len(argv)

@@ -1,11 +1,19 @@
 """Contained byte file I/O on a workspace directory, from the host.
 
-Every path is resolved by the kernel with openat2(RESOLVE_BENEATH) relative to
-an fd of the workspace opened once, so nothing a guest does to the tree
-(symlinks to /etc, "..", a rename race) can make the host touch a file outside
-it. Paths arrive as canonical guest paths (``/workspace/...``, see
-``normalize_path``). Writes go to a temporary file that is renamed over the
-target, so a failed write never leaves a half-written file behind.
+Every path is resolved by the kernel with openat2(RESOLVE_BENEATH |
+RESOLVE_NO_MAGICLINKS) relative to an fd of the workspace opened once, so
+nothing a guest does to the tree (symlinks to /etc, "..", a rename race) can
+make the host touch a file outside it. Never realpath() and then open(): the
+tree can change between the two. On a kernel without openat2 (before 5.6) the
+same guarantee comes from a component-wise O_NOFOLLOW walk that refuses every
+symlink. Paths arrive as canonical guest paths (``/workspace/...``, see
+``normalize_path``).
+
+Reads refuse anything but a regular file *before* reading from it, and open
+with O_NONBLOCK, so a guest-made FIFO or device cannot hang the host. Writes go
+to a new temporary file that is renamed over the target: a failed write never
+leaves a half-written file, and a hard link the guest made to some other file
+is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -47,9 +56,27 @@ def _kind(mode: int) -> Literal["file", "directory", "symlink", "other"]:
     return "other"
 
 
+def _kind_name(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def _error(exc: OSError, guest_path: str) -> SandboxError:
-    if exc.errno in (errno.EXDEV, errno.ELOOP):
+    if exc.errno == errno.EXDEV:
         return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} resolves outside the workspace")
+    if exc.errno == errno.ELOOP:
+        return SandboxError(
+            ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is, or passes through, a symlink that is not followed"
+        )
+    if exc.errno in (errno.ENXIO, errno.ENODEV):  # opening a socket or absent device
+        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is not a regular file")
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
     if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
@@ -57,11 +84,67 @@ def _error(exc: OSError, guest_path: str) -> SandboxError:
     return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {exc.strerror}")
 
 
-class WorkspaceFiles:
-    """Byte file operations confined to one host directory."""
+# open(dirfd, relative path, flags, mode) -> fd, never leaving dirfd's tree.
+Resolver = Callable[[int, str, int, int], int]
 
-    def __init__(self, root: Path) -> None:
-        self._root = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+def _open_no_symlink(name: str, flags: int, mode: int, directory: int) -> int:
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=directory)
+    except NotADirectoryError:
+        # O_DIRECTORY|O_NOFOLLOW on a symlink says ENOTDIR; call it what it is.
+        if stat.S_ISLNK(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, "symlink in path", name) from None
+        raise
+
+
+def walk_beneath(root: int, relative: str, flags: int, mode: int = 0) -> int:
+    """The fallback resolver: open each component relative to the previous one
+    with O_NOFOLLOW, refusing (ELOOP) any symlink on the way. Stricter than
+    openat2, which follows symlinks that stay inside. ``relative`` is already
+    normalised, so it holds no "..", and no component can climb out."""
+    components = [part for part in relative.split("/") if part and part != "."]
+    if not components:  # the root itself
+        return os.open(".", flags | os.O_CLOEXEC, mode, dir_fd=root)
+    directory = os.dup(root)
+    try:
+        for name in components[:-1]:
+            step = _open_no_symlink(name, os.O_PATH | os.O_DIRECTORY, 0, directory)
+            os.close(directory)
+            directory = step
+        return _open_no_symlink(components[-1], flags, mode, directory)
+    finally:
+        os.close(directory)
+
+
+def open_beneath(root: int, relative: str, flags: int, mode: int = 0) -> int:
+    """openat2 where the kernel has it, else the O_NOFOLLOW walk."""
+    global _openat2_missing
+    if not _openat2_missing:
+        try:
+            return _ffi.open_beneath(root, relative, flags, mode)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+            _openat2_missing = True
+    return walk_beneath(root, relative, flags, mode)
+
+
+_openat2_missing = False
+
+
+class WorkspaceFiles:
+    """Byte file operations confined to one directory, given as an fd (which
+    this object then owns): a host directory, or the session's merged
+    workspace as the holder sees it."""
+
+    def __init__(self, root_fd: int, resolver: Resolver = open_beneath) -> None:
+        self._root = root_fd
+        self._resolve = resolver
+
+    @classmethod
+    def of_directory(cls, path: Path, resolver: Resolver = open_beneath) -> WorkspaceFiles:
+        return cls(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), resolver)
 
     def close(self) -> None:
         if self._root >= 0:
@@ -74,23 +157,31 @@ class WorkspaceFiles:
 
     def _open(self, guest_path: str, flags: int, mode: int = 0) -> int:
         try:
-            return _ffi.open_beneath(self._root, self._relative(guest_path), flags, mode)
+            return self._resolve(self._root, self._relative(guest_path), flags, mode)
         except OSError as exc:
             raise _error(exc, guest_path) from None
 
     def _parent(self, guest_path: str) -> tuple[int, str]:
         """An O_PATH fd of the parent directory and the final name."""
         if guest_path == WORKSPACE:
-            raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, "the workspace root itself cannot be replaced or removed")
+            raise SandboxError(
+                ErrorCode.SANDBOX_PATH_REFUSED, "the workspace root itself cannot be replaced or removed"
+            )
         parent, name = guest_path.rsplit("/", 1)
         return self._open(parent, os.O_PATH | os.O_DIRECTORY), name
 
     def read_bytes(self, guest_path: str, max_bytes: int) -> bytes:
-        fd = self._open(guest_path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer. The type
+        # is checked on the opened fd, so a swap after the open cannot help.
+        fd = self._open(guest_path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW)
         try:
             info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is a directory")
             if not stat.S_ISREG(info.st_mode):
-                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not a regular file")
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is a {_kind_name(info.st_mode)}, not a regular file"
+                )
             if info.st_size > max_bytes:
                 raise SandboxError(
                     ErrorCode.SANDBOX_LIMIT, f"{guest_path} has {info.st_size} bytes; the limit is {max_bytes}"
@@ -116,7 +207,7 @@ class WorkspaceFiles:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
             os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)

@@ -15,8 +15,8 @@ import errno
 import os
 import signal
 import socket
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import trio
 
@@ -64,9 +64,7 @@ class NativeProcess:
         while self._status is None:
             data = await self._reply.recv(_ffi.REPORT_SIZE)
             if not data:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running"
-                )
+                raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
             report = _ffi.decode_report(data)
             if report.kind == _ffi.REPORT_ERROR and self._setup_error is None:
                 self._setup_error = _error_from_report(report, "starting the command")
@@ -114,9 +112,7 @@ class NativeDriver(HostWorkspaceIO):
         policy = check_network_policy(network)
         for label, value in (("uid", uid), ("gid", gid)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}"
-                )
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
         workspace_path = Path(workspace)
         if not workspace_path.is_dir():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
@@ -156,7 +152,7 @@ class NativeDriver(HostWorkspaceIO):
             await self._await_ready()
             cleanup.pop_all()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        self._files = WorkspaceFiles(self.workspace)
+        self._files = WorkspaceFiles.of_directory(self.workspace)
         return self
 
     def _reap_holder_now(self) -> None:

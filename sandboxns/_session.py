@@ -14,8 +14,9 @@ import os
 import posixpath
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 import trio
 
@@ -52,9 +53,7 @@ def normalize_path(path: object) -> str:
     if normal.startswith("//"):  # normpath keeps a leading '//'
         normal = "/" + normal.lstrip("/")
     if normal != WORKSPACE and not normal.startswith(WORKSPACE + "/"):
-        raise SandboxError(
-            ErrorCode.SANDBOX_PATH_REFUSED, f"path {path!r} is outside the workspace {WORKSPACE}"
-        )
+        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"path {path!r} is outside the workspace {WORKSPACE}")
     return normal
 
 
@@ -196,8 +195,16 @@ class Session:
         return await self.driver.read_bytes(normalize_path(path), MAX_FILE_BYTES)
 
     async def read_text_file(self, path: str) -> str:
-        """A workspace file as text (UTF-8; invalid bytes replaced)."""
-        return (await self.read_file(path)).decode("utf-8", "replace")
+        """A workspace file as text. It must be valid UTF-8: anything else is
+        refused (SANDBOX_INVALID_ARGUMENT) rather than silently altered."""
+        data = await self.read_file(path)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _invalid(
+                f"{normalize_path(path)} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset"
+                f" {exc.start}); read it with read_file() for the raw bytes"
+            ) from None
 
     async def write_file(self, path: str, data: bytes) -> None:
         """Create or atomically replace a workspace file (at most 1 MiB)."""

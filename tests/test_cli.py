@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ def sandboxns(*args: str, cwd, env=None, input=None) -> subprocess.CompletedProc
     # Run from a scratch directory so the source tree is not importable.
     return subprocess.run(
         [sys.executable, "-m", "sandboxns", *args],
+        check=False,
         cwd=cwd,
         capture_output=True,
         input=input,
@@ -24,17 +26,32 @@ def sandboxns(*args: str, cwd, env=None, input=None) -> subprocess.CompletedProc
 
 
 def test_run_streams_output_and_returns_the_exit_code(tmp_path):
-    done = sandboxns("run", "--", "/bin/sh", "-c", "echo out; echo err >&2; exit 7", cwd=tmp_path,
-                     env={"XDG_STATE_HOME": str(tmp_path / "state")})
+    done = sandboxns(
+        "run",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo out; echo err >&2; exit 7",
+        cwd=tmp_path,
+        env={"XDG_STATE_HOME": str(tmp_path / "state")},
+    )
     assert (done.returncode, done.stdout, done.stderr) == (7, b"out\n", b"err\n")
 
 
 def test_run_over_a_workspace_with_env_and_stdin(tmp_path):
     (tmp_path / "ws").mkdir()
     done = sandboxns(
-        "run", "--workspace", str(tmp_path / "ws"), "--env", "GREETING=hi", "--",
-        "/bin/sh", "-c", "cat > note; echo $GREETING; pwd",
-        cwd=tmp_path, input=b"from stdin",
+        "run",
+        "--workspace",
+        str(tmp_path / "ws"),
+        "--env",
+        "GREETING=hi",
+        "--",
+        "/bin/sh",
+        "-c",
+        "cat > note; echo $GREETING; pwd",
+        cwd=tmp_path,
+        input=b"from stdin",
     )
     assert done.returncode == 0
     assert done.stdout == b"hi\n/workspace\n"
@@ -63,7 +80,7 @@ def test_network_flag(tmp_path):
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
     deny = sandboxns("run", "--", "/bin/cat", "/proc/net/dev", cwd=tmp_path, env=env)
     allow = sandboxns("run", "--network", "allow-all", "--", "/bin/cat", "/proc/net/dev", cwd=tmp_path, env=env)
-    host = open("/proc/net/dev", "rb").read()
+    host = Path("/proc/net/dev").read_bytes()
     assert deny.stdout.count(b":") == 1  # lo only
     assert allow.stdout.count(b":") == host.count(b":")
 

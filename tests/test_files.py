@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import trio
 
 from sandboxns import ErrorCode, SandboxError
 
@@ -91,3 +92,28 @@ async def test_bad_arguments(session):
     await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, session.write_file("x", "text, not bytes"))
     await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, session.write_text_file("x", b"bytes"))
     await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, session.read_file(3))
+
+
+async def test_special_files_are_refused_at_once(session, workspace):
+    await session.run(
+        "/bin/sh", ["-c", "mkfifo pipe; python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('sock')\""]
+    )
+    assert (workspace / "pipe").is_fifo() and (workspace / "sock").is_socket()
+    with trio.fail_after(5):  # a FIFO without a writer must not block the read
+        for name in ("pipe", "sock"):
+            await refused(ErrorCode.SANDBOX_PATH_REFUSED, session.read_file(name))
+
+
+async def test_a_write_replaces_a_hard_link_instead_of_writing_through_it(session, workspace, tmp_path):
+    (workspace / "victim").write_text("untouched")
+    os.link(workspace / "victim", workspace / "alias")
+    await session.write_file("alias", b"new")
+    assert (workspace / "victim").read_text() == "untouched"
+    assert (workspace / "alias").read_text() == "new"
+
+
+async def test_text_must_be_utf8(session, workspace):
+    (workspace / "latin1.txt").write_bytes("café".encode("latin-1"))
+    error = await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, session.read_text_file("latin1.txt"))
+    assert "not UTF-8" in error.message and "offset 3" in error.message
+    assert await session.read_file("latin1.txt") == "café".encode("latin-1")

@@ -48,9 +48,7 @@ async def test_no_capabilities_and_no_new_privs(session):
 
 async def test_runtime_dirs_are_read_only_and_cannot_be_remounted(session):
     marker = f"sandboxns-test-{os.getpid()}"
-    result = await sh(
-        session, f"mount -o remount,rw /usr; echo mount=$?; touch /usr/{marker}; echo touch=$?"
-    )
+    result = await sh(session, f"mount -o remount,rw /usr; echo mount=$?; touch /usr/{marker}; echo touch=$?")
     assert "mount=0" not in result.stdout
     assert "touch=0" not in result.stdout
     assert "Read-only file system" in result.stderr
@@ -71,10 +69,29 @@ async def test_host_paths_are_invisible(session, workspace):
     root, etc, dev = (part.split() for part in result.stdout.split("---"))
     assert set(root) == ROOT_ENTRIES
     assert set(etc) <= {
-        "passwd", "group", "hosts", "hostname", "nsswitch.conf", "ld.so.cache", "alternatives", "ssl",
+        "passwd",
+        "group",
+        "hosts",
+        "hostname",
+        "nsswitch.conf",
+        "ld.so.cache",
+        "alternatives",
+        "ssl",
     }
     assert set(dev) == {
-        "null", "zero", "full", "random", "urandom", "tty", "pts", "ptmx", "shm", "fd", "stdin", "stdout", "stderr",
+        "null",
+        "zero",
+        "full",
+        "random",
+        "urandom",
+        "tty",
+        "pts",
+        "ptmx",
+        "shm",
+        "fd",
+        "stdin",
+        "stdout",
+        "stderr",
     }
     home = os.path.expanduser("~")
     probe = await sh(session, f"ls -d '{home}' '{workspace}' /root /home /var /opt 2>/dev/null; echo done")
@@ -160,7 +177,9 @@ async def test_hostname_and_user_database(session):
 
 
 async def test_dev_nodes_work(session):
-    result = await sh(session, "echo x > /dev/null && head -c 4 /dev/zero | od -An -tx1 && head -c 8 /dev/urandom | wc -c")
+    result = await sh(
+        session, "echo x > /dev/null && head -c 4 /dev/zero | od -An -tx1 && head -c 8 /dev/urandom | wc -c"
+    )
     assert result.stdout.split() == ["00", "00", "00", "00", "8"]
 
 
@@ -168,5 +187,4 @@ async def test_native_holder_is_its_own_program_not_a_python_fork(workspace):
     async with sandboxns.open_sandbox(workspace, driver="native") as session:
         holder = session.driver._pid
         assert Path(os.readlink(f"/proc/{holder}/exe")).name == "sandboxns-holder"
-        with open(f"/proc/{holder}/environ", "rb") as f:
-            assert f.read() == b""  # none of the host's environment
+        assert Path(f"/proc/{holder}/environ").read_bytes() == b""  # none of the host's environment

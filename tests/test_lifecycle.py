@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 
 import pytest
 import trio
+from conftest import descendants, host_processes_with, sleep_marker
 
 import sandboxns
-
-from conftest import descendants, host_processes_with, sleep_marker
 
 
 @pytest.mark.smoke
@@ -43,19 +42,18 @@ async def test_no_fd_or_process_leak_in_the_host_after_1000_runs(session):
 
 async def test_stop_kills_running_commands(driver_name, workspace):
     marker = sleep_marker()
-    async with sandboxns.open_sandbox(workspace, driver=driver_name) as session:
-        async with trio.open_nursery() as nursery:
-            fifo = workspace / "started"
-            os.mkfifo(fifo)
+    async with sandboxns.open_sandbox(workspace, driver=driver_name) as session, trio.open_nursery() as nursery:
+        fifo = workspace / "started"
+        os.mkfifo(fifo)
 
-            async def run_until_stopped() -> None:
-                with pytest.raises(sandboxns.SandboxError) as error:
-                    await session.run("/bin/sh", ["-c", f"echo > /workspace/started; sleep {marker}"])
-                assert error.value.code == sandboxns.ErrorCode.SANDBOX_STOPPED
+        async def run_until_stopped() -> None:
+            with pytest.raises(sandboxns.SandboxError) as error:
+                await session.run("/bin/sh", ["-c", f"echo > /workspace/started; sleep {marker}"])
+            assert error.value.code == sandboxns.ErrorCode.SANDBOX_STOPPED
 
-            nursery.start_soon(run_until_stopped)
-            await trio.to_thread.run_sync(fifo.read_bytes)
-            await session.driver.aclose()
+        nursery.start_soon(run_until_stopped)
+        await trio.to_thread.run_sync(fifo.read_bytes)
+        await session.driver.aclose()
     assert host_processes_with(marker) == []
 
 

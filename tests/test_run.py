@@ -7,11 +7,10 @@ import signal
 
 import pytest
 import trio
+from conftest import host_processes_with, sleep_marker
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
-
-from conftest import host_processes_with, sleep_marker
 
 
 async def test_exit_code_signal_and_output(session):
@@ -101,9 +100,7 @@ async def test_oversized_request_is_a_limit_error(session):
 @pytest.mark.smoke
 async def test_timeout_kills_a_tree_that_traps_sigterm(session):
     marker = sleep_marker()
-    result = await session.run(
-        "/bin/sh", ["-c", f"trap '' TERM; setsid sleep {marker} & sleep {marker}"], timeout=0.5
-    )
+    result = await session.run("/bin/sh", ["-c", f"trap '' TERM; setsid sleep {marker} & sleep {marker}"], timeout=0.5)
     assert result.timed_out
     assert result.signal == signal.SIGKILL
     assert host_processes_with(marker) == []
@@ -132,7 +129,10 @@ async def test_background_processes_die_with_the_command(session):
     marker = sleep_marker()
     result = await session.run(
         "/bin/sh",
-        ["-c", f"setsid sleep {marker} & (setsid sh -c 'sleep {marker} &' &); nohup sleep {marker} >/dev/null 2>&1 & echo started"],
+        [
+            "-c",
+            f"setsid sleep {marker} & (setsid sh -c 'sleep {marker} &' &); nohup sleep {marker} >/dev/null 2>&1 & echo started",
+        ],
     )
     assert result.stdout == "started\n"
     assert host_processes_with(marker) == []
@@ -215,8 +215,13 @@ async def test_cancellation_forwards_sigterm_to_the_command(session, workspace):
             nursery.start_soon(
                 session.run,
                 "/bin/sh",
-                ["-c", "trap 'echo term > /workspace/got; exit 0' TERM; echo > /workspace/started; "
-                       "while :; do sleep 0.01; done"],
+                [
+                    "-c",
+                    (
+                        "trap 'echo term > /workspace/got; exit 0' TERM; echo > /workspace/started; "
+                        "while :; do sleep 0.01; done"
+                    ),
+                ],
             )
             await trio.to_thread.run_sync(fifo.read_bytes)
             scope.cancel()
