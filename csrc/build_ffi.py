@@ -16,7 +16,7 @@ ffibuilder.cdef(
     #define SBX_PROTO_VERSION ...
     #define SBX_MAX_REQUEST_STRINGS ...
     enum sbx_request_fd { SBX_FD_REPLY, SBX_FD_STDIN, SBX_FD_STDOUT, SBX_FD_STDERR, SBX_NFDS };
-    enum sbx_report_kind { SBX_REPORT_READY, SBX_REPORT_ERROR, SBX_REPORT_EXITED };
+    enum sbx_report_kind { SBX_REPORT_READY, SBX_REPORT_ERROR, SBX_REPORT_EXITED, SBX_REPORT_STARTED };
 
     struct sbx_exec_request {
         uint32_t version;
@@ -30,6 +30,7 @@ ffibuilder.cdef(
         int32_t exit_code;
         int32_t signal;
         int32_t err;
+        int32_t pid;
         char step[...];
         char message[...];
         ...;
@@ -39,7 +40,7 @@ ffibuilder.cdef(
         ...;
     };
 
-    int sbx_spawn_holder(const char *path, char *const argv[], int control_fd);
+    int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd);
 
     #define RESOLVE_BENEATH ...
     #define RESOLVE_NO_MAGICLINKS ...

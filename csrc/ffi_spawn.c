@@ -12,13 +12,25 @@
 
 #include "sbx_ffi.h"
 
-/* The parent-death signal fires when the *thread* that forked the holder
+/* The holder's launcher gets SIGTERM when we die (it then kills the session
+ * and waits for it to be gone; see holder.c). lease_fd, unless -1, becomes
+ * its fd SBX_HOLDER_LEASE_FD.
+ *
+ * The parent-death signal fires when the *thread* that forked the holder
  * exits, not the process: call this from a thread that lives as long as the
  * session (the trio thread), never from a worker pool.
  *
  * vfork shares our memory until execve, so the child reports a failure by
  * writing child_errno, which the parent reads once vfork returns. */
-int sbx_spawn_holder(const char *path, char *const argv[], int control_fd)
+/* Make fd `from` available, without close-on-exec, as fd `to`. */
+static int place_fd(int from, int to)
+{
+    if (from == to)
+        return fcntl(from, F_SETFD, 0);
+    return dup2(from, to);
+}
+
+int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd)
 {
     static char *const empty_env[] = {NULL};
     volatile int child_errno = 0;
@@ -30,7 +42,7 @@ int sbx_spawn_holder(const char *path, char *const argv[], int control_fd)
         return -errno;
     pid = vfork();
     if (pid == 0) {
-        if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        if (prctl(PR_SET_PDEATHSIG, SIGTERM, 0, 0, 0) < 0)
             goto child_fail;
         if (getppid() != parent) { /* the host died already */
             errno = ESRCH;
@@ -38,13 +50,13 @@ int sbx_spawn_holder(const char *path, char *const argv[], int control_fd)
         }
         if (dup2(devnull, 0) < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0)
             goto child_fail;
-        if (control_fd == SBX_HOLDER_CONTROL_FD) {
-            if (fcntl(control_fd, F_SETFD, 0) < 0)
-                goto child_fail;
-        } else if (dup2(control_fd, SBX_HOLDER_CONTROL_FD) < 0) {
+        /* Python's fds are far above 4 (0-2 are its stdio), so neither
+         * dup2 overwrites the other's source. */
+        if (place_fd(control_fd, SBX_HOLDER_CONTROL_FD) < 0)
             goto child_fail;
-        }
-        syscall(SYS_close_range, SBX_HOLDER_CONTROL_FD + 1, ~0U, 0);
+        if (lease_fd >= 0 && place_fd(lease_fd, SBX_HOLDER_LEASE_FD) < 0)
+            goto child_fail;
+        syscall(SYS_close_range, lease_fd >= 0 ? SBX_HOLDER_LEASE_FD + 1 : SBX_HOLDER_CONTROL_FD + 1, ~0U, 0);
         execve(path, argv, empty_env);
     child_fail:
         child_errno = errno;

@@ -2,10 +2,12 @@
  *
  * The host execs this program (never a fork of the Python interpreter, so no
  * sandbox process ever holds a copy of the host's memory) with its end of the
- * control socket as fd 3. It:
+ * control socket as fd 3 (and, for a backend session, its lease file as fd 4).
+ * It:
  *   1. unshares the session's namespaces and maps the host user (userns.c);
- *   2. forks pid 1 of the new pid namespace, the holder proper, and stays
- *      behind only to wait for it (the host tracks this process's pidfd);
+ *   2. forks pid 1 of the new pid namespace, the holder proper, reports its
+ *      pid (STARTED) and stays behind only to wait for it (the host tracks
+ *      this process's pidfd);
  *   3. builds the root filesystem and pivots into it (rootfs.c), brings up
  *      lo (net.c), and reports READY on the control socket;
  *   4. serves command requests (serve.c, spawn.c) until the control socket
@@ -13,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -42,7 +45,8 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     static const struct option options[] = {
         {"uid", required_argument, NULL, 'u'},       {"gid", required_argument, NULL, 'g'},
         {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
-        {"share-network", no_argument, NULL, 'n'},   {NULL, 0, NULL, 0},
+        {"share-network", no_argument, NULL, 'n'},   {"overlay-lower", required_argument, NULL, 'l'},
+        {"overlay-work", required_argument, NULL, 'o'}, {NULL, 0, NULL, 0},
     };
     int opt;
 
@@ -67,12 +71,20 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         case 'n':
             cfg->share_network = 1;
             break;
+        case 'l':
+            cfg->overlay_lower = optarg;
+            break;
+        case 'o':
+            cfg->overlay_work = optarg;
+            break;
         default:
             return fail(err, "arguments", EINVAL, "unknown argument");
         }
     }
     if (!cfg->workspace || optind != argc)
         return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
+    if (!cfg->overlay_lower != !cfg->overlay_work)
+        return fail(err, "arguments", EINVAL, "--overlay-lower and --overlay-work go together");
     cfg->outer_uid = getuid();
     cfg->outer_gid = getgid();
     return 0;
@@ -90,10 +102,29 @@ static void reset_signals(void)
     sigprocmask(SIG_SETMASK, &none, NULL);
 }
 
-static int wait_for_holder(pid_t holder)
+static volatile pid_t holder_pid;
+
+static void kill_holder(int sig)
 {
+    (void)sig;
+    kill(holder_pid, SIGKILL);
+}
+
+/* The launcher outlives everything in the session: pid 1 of a pid namespace
+ * becomes waitable only after the kernel has killed and reaped every other
+ * process in it. So while this process runs, session processes may exist,
+ * and it keeps the session's lease (LEASE_FD) locked until then. The host's
+ * death reaches it as SIGTERM (its parent-death signal), which it turns into
+ * SIGKILL for pid 1 before waiting as usual. */
+static int wait_for_holder(pid_t holder, pid_t host)
+{
+    struct sigaction kill_on_term = {.sa_handler = kill_holder};
     int status;
 
+    holder_pid = holder;
+    sigaction(SIGTERM, &kill_on_term, NULL);
+    if (getppid() != host) /* the host died before the handler was in place */
+        kill(holder, SIGKILL);
     while (waitpid(holder, &status, 0) < 0)
         if (errno != EINTR)
             return 1;
@@ -105,6 +136,8 @@ int main(int argc, char **argv)
     struct holder_config cfg = {0};
     struct sbx_report err;
     pid_t holder;
+    int workspace;
+    pid_t host = getppid();
 
     reset_signals();
     if (parse_args(argc, argv, &cfg, &err) < 0 || userns_enter(&cfg, &err) < 0)
@@ -115,9 +148,11 @@ int main(int argc, char **argv)
         goto report;
     }
     if (holder > 0) {
+        report_send(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_STARTED, .pid = holder});
         close(CONTROL_FD);
-        return wait_for_holder(holder);
+        return wait_for_holder(holder, host);
     }
+    close(LEASE_FD); /* the launcher's to keep, not the session's */
 
     /* pid 1 of the session's pid namespace from here on. The parent carries
      * PR_SET_PDEATHSIG for the host; this one chains it, and also exits when
@@ -134,7 +169,13 @@ int main(int argc, char **argv)
     }
     if (!cfg.share_network && net_loopback_up(&err) < 0)
         goto report;
-    report_send(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY});
+    workspace = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (workspace < 0) {
+        fail(&err, "workspace", errno, "cannot open /workspace: %s", strerror(errno));
+        goto report;
+    }
+    report_send_with_fd(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY}, workspace);
+    close(workspace);
     return holder_serve(CONTROL_FD);
 report:
     report_send(CONTROL_FD, &err);

@@ -7,13 +7,17 @@
 
 #include "sbx_proto.h"
 
-/* The host hands the holder its end of the control socket as this fd. */
+/* The host hands the holder its end of the control socket as this fd, and
+ * optionally the session's lease file as LEASE_FD (see holder.c). */
 #define CONTROL_FD 3
+#define LEASE_FD 4
 
 struct holder_config {
     uid_t inner_uid, outer_uid;
     gid_t inner_gid, outer_gid;
-    const char *workspace;
+    const char *workspace;     /* bound as /workspace; the upper layer with an overlay */
+    const char *overlay_lower; /* read-only template under the workspace, or NULL */
+    const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
     const char *hostname;
     int share_network;
 };
@@ -22,6 +26,7 @@ struct holder_config {
 int fail(struct sbx_report *report, const char *step, int err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void report_send(int fd, const struct sbx_report *report);
+void report_send_with_fd(int fd, const struct sbx_report *report, int passed_fd);
 void report_exit_status(int fd, int wait_status);
 
 /* fds.c */

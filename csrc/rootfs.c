@@ -24,6 +24,7 @@
 #define NEW_ROOT "/tmp"
 #define MAX_BINDS 16
 #define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+#define WORKSPACE_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 
 struct bind {
     char target[64]; /* relative to the new root */
@@ -67,6 +68,46 @@ static int clone_tree(struct plan *plan, const char *source, const char *target,
     bind->fd = fd;
     bind->attrs = attrs;
     bind->is_dir = S_ISDIR(st.st_mode);
+    plan->nbinds++;
+    return 0;
+}
+
+/* A session made from a template sees the template's files as the lower
+ * layer of an overlay whose upper layer is the session's own directory, so
+ * creating a session costs the same for ten files or ten thousand. In a user
+ * namespace overlayfs keeps its metadata in user.* xattrs ("userxattr"). A
+ * failure here is reported as step "overlay", and the host falls back to a
+ * copied workspace. */
+static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct sbx_report *err)
+{
+    struct bind *bind = &plan->binds[plan->nbinds];
+    int fs, mnt;
+
+    if (plan->nbinds == MAX_BINDS)
+        return fail(err, "bind", E2BIG, "too many bind mounts");
+    fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
+    if (fs < 0)
+        return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
+    /* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
+     * "lowerdir" as a ':'-separated list. */
+    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", cfg->overlay_lower, 0) < 0 &&
+         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", cfg->overlay_lower, 0) < 0) ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", cfg->workspace, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", cfg->overlay_work, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+        int e = errno;
+        close(fs);
+        return fail(err, "overlay", e, "cannot set up the overlay over %s: %s", cfg->overlay_lower, strerror(e));
+    }
+    mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
+    close(fs);
+    if (mnt < 0)
+        return fail(err, "overlay", errno, "cannot mount the overlay: %s", strerror(errno));
+    snprintf(bind->target, sizeof bind->target, "workspace");
+    bind->fd = mnt;
+    bind->attrs = WORKSPACE_ATTRS;
+    bind->is_dir = 1;
     plan->nbinds++;
     return 0;
 }
@@ -131,7 +172,8 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
         return -1;
     if (!is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
-    if (clone_tree(plan, cfg->workspace, "workspace", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, err) < 0)
+    if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
+                           : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, err) < 0)
         return -1;
     for (size_t i = 0; i < sizeof device_nodes / sizeof device_nodes[0]; i++) {
         char target[32];

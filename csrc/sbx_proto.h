@@ -8,7 +8,9 @@
  *   host -> holder   one struct sbx_exec_request followed by strings_len bytes
  *                    of NUL-terminated strings (cwd, argv[0..argc), env[0..envc)),
  *                    with SBX_NFDS descriptors attached by SCM_RIGHTS.
- *   holder -> host   one struct sbx_report: READY once setup is done, or ERROR.
+ *   holder -> host   STARTED (from the launcher, with the holder's pid as the
+ *                    host sees it), then READY once setup is done, carrying
+ *                    an O_PATH fd of /workspace by SCM_RIGHTS; or ERROR.
  *
  * Command socket (SOCK_SEQPACKET, one per command, passed as SBX_FD_REPLY):
  *   holder/init -> host   ERROR (a setup step failed) and then EXITED, once the
@@ -44,6 +46,7 @@ enum sbx_report_kind {
     SBX_REPORT_READY = 1,
     SBX_REPORT_ERROR = 2,
     SBX_REPORT_EXITED = 3,
+    SBX_REPORT_STARTED = 4,
 };
 
 struct sbx_report {
@@ -51,6 +54,7 @@ struct sbx_report {
     int32_t exit_code; /* EXITED: the exit code, or -1 when killed by a signal */
     int32_t signal;    /* EXITED: the terminating signal, or 0 */
     int32_t err;       /* ERROR: errno of the failed step */
+    int32_t pid;       /* STARTED: pid 1 of the session, in the host's pid namespace */
     char step[32];     /* ERROR: which setup step failed */
     char message[224]; /* ERROR: human-readable detail */
 };

@@ -27,6 +27,15 @@
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
 #endif
+#ifndef FSCONFIG_SET_FLAG
+#define FSCONFIG_SET_FLAG 0
+#define FSCONFIG_SET_STRING 1
+#define FSCONFIG_CMD_CREATE 6
+#endif
+#ifndef FSOPEN_CLOEXEC
+#define FSOPEN_CLOEXEC 0x00000001
+#define FSMOUNT_CLOEXEC 0x00000001
+#endif
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
 #endif
@@ -56,6 +65,21 @@ static inline int sys_mount_setattr(int dirfd, const char *path, unsigned int fl
 {
     struct sbx_mount_attr attr = {.attr_set = attr_set};
     return (int)syscall(SYS_mount_setattr, dirfd, path, flags, &attr, sizeof attr);
+}
+
+static inline int sys_fsopen(const char *fstype, unsigned int flags)
+{
+    return (int)syscall(SYS_fsopen, fstype, flags);
+}
+
+static inline int sys_fsconfig(int fd, unsigned int cmd, const char *key, const void *value, int aux)
+{
+    return (int)syscall(SYS_fsconfig, fd, cmd, key, value, aux);
+}
+
+static inline int sys_fsmount(int fd, unsigned int flags, unsigned int attr_flags)
+{
+    return (int)syscall(SYS_fsmount, fd, flags, attr_flags);
 }
 
 static inline int sys_pivot_root(const char *new_root, const char *put_old)

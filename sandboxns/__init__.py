@@ -3,14 +3,17 @@
 Everything public is re-exported here; the modules behind it are private.
 """
 
+from ._backend import Backend, SessionHandle, open_backend
 from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._native import NativeDriver
 from ._open import open_sandbox
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
+from ._templates import Template
 
 __all__ = [
+    "Backend",
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
@@ -21,7 +24,10 @@ __all__ = [
     "SandboxError",
     "SandboxProcess",
     "Session",
+    "SessionHandle",
+    "Template",
     "create_sandbox_session",
     "normalize_path",
+    "open_backend",
     "open_sandbox",
 ]

@@ -36,6 +36,14 @@ def check_network_policy(policy: object) -> NetworkPolicy:
     )
 
 
+class OverlayUnavailable(SandboxError):
+    """A driver could not mount a template overlay as the workspace (an old
+    or restricted kernel); the backend then copies the template instead."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.SANDBOX_UNAVAILABLE, message)
+
+
 @dataclass(frozen=True)
 class ExitStatus:
     """How a command ended: ``exit_code`` if it exited, ``signal`` if a

@@ -22,6 +22,7 @@ assert len(FD_ORDER) == lib.SBX_NFDS
 REPORT_READY: int = lib.SBX_REPORT_READY
 REPORT_ERROR: int = lib.SBX_REPORT_ERROR
 REPORT_EXITED: int = lib.SBX_REPORT_EXITED
+REPORT_STARTED: int = lib.SBX_REPORT_STARTED
 
 
 @dataclass(frozen=True)
@@ -30,16 +31,17 @@ class Report:
     exit_code: int
     signal: int
     errno: int
+    pid: int
     step: str
     message: str
 
 
-def spawn_holder(path: str, argv: Sequence[str], control_fd: int) -> int:
+def spawn_holder(path: str, argv: Sequence[str], control_fd: int, lease_fd: int = -1) -> int:
     """Start a holder; returns its pid. Call from a long-lived thread: the
     holder's parent-death signal is tied to the calling thread."""
     c_strings = [ffi.new("char[]", os.fsencode(arg)) for arg in argv]
     c_argv = ffi.new("char *[]", c_strings + [ffi.NULL])
-    pid = lib.sbx_spawn_holder(os.fsencode(path), c_argv, control_fd)
+    pid = lib.sbx_spawn_holder(os.fsencode(path), c_argv, control_fd, lease_fd)
     if pid < 0:
         raise OSError(-pid, os.strerror(-pid), path)
     return pid
@@ -80,6 +82,7 @@ def decode_report(data: bytes) -> Report:
         exit_code=report.exit_code,
         signal=report.signal,
         errno=report.err,
+        pid=report.pid,
         step=ffi.string(report.step).decode("utf-8", "replace"),
         message=ffi.string(report.message).decode("utf-8", "replace"),
     )

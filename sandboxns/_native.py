@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, check_network_policy
+from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 
@@ -42,6 +42,14 @@ def _error_from_report(report: _ffi.Report, what: str) -> SandboxError:
     if report.step in ("execve", "chdir") and report.errno in (errno.EACCES, errno.ENOEXEC):
         return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, detail)
     return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, detail)
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
 
 
 def _seqpacket_pair() -> tuple[socket.socket, socket.socket]:
@@ -96,6 +104,7 @@ class NativeDriver(HostWorkspaceIO):
     """
 
     name = "native"
+    supports_overlay = True
 
     def __init__(self) -> None:
         raise TypeError("use 'await NativeDriver.start(...)'")
@@ -108,7 +117,15 @@ class NativeDriver(HostWorkspaceIO):
         network: object = "deny-all",
         uid: int = 1000,
         gid: int = 1000,
+        overlay: tuple[Path, Path] | None = None,
+        lease_fd: int | None = None,
     ) -> NativeDriver:
+        """Start a session whose /workspace is the host directory
+        ``workspace``. With ``overlay=(template, scratch)`` the workspace is
+        instead the overlay of ``workspace`` (the writable upper layer) on the
+        read-only ``template``; ``scratch`` is overlayfs's work directory.
+        ``lease_fd``, a locked lease file, stays locked until every process
+        of the session is gone, even if this process dies first."""
         policy = check_network_policy(network)
         for label, value in (("uid", uid), ("gid", gid)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
@@ -127,13 +144,18 @@ class NativeDriver(HostWorkspaceIO):
             f"--gid={gid}",
             f"--workspace={workspace_path.resolve()}",
         ]
+        if overlay is not None:
+            template, scratch = overlay
+            argv += [f"--overlay-lower={Path(template).resolve()}", f"--overlay-work={Path(scratch).resolve()}"]
         if policy == "allow-all":
             argv.append("--share-network")
 
         self = object.__new__(cls)
         self.network = policy
         self.workspace = workspace_path.resolve()
+        self.holder_pid = None
         self._closed = False
+        self._stopped = trio.Event()
         self._send_lock = trio.Lock()
         with contextlib.ExitStack() as cleanup:
             host_end, holder_end = _seqpacket_pair()
@@ -141,7 +163,9 @@ class NativeDriver(HostWorkspaceIO):
             with holder_end:
                 # Synchronously, in this (trio's) thread: see spawn_holder.
                 try:
-                    self._pid = _ffi.spawn_holder(str(HOLDER_PATH), argv, holder_end.fileno())
+                    self._pid = _ffi.spawn_holder(
+                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if lease_fd is None else lease_fd
+                    )
                 except OSError as exc:
                     raise SandboxError(
                         ErrorCode.SANDBOX_UNAVAILABLE, f"cannot start the sandbox holder: {exc}"
@@ -149,10 +173,10 @@ class NativeDriver(HostWorkspaceIO):
             self._pidfd = os.pidfd_open(self._pid)
             cleanup.callback(self._reap_holder_now)
             self._control = trio.socket.from_stdlib_socket(host_end)
-            await self._await_ready()
+            workspace_fd = await self._await_ready()
             cleanup.pop_all()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        self._files = WorkspaceFiles.of_directory(self.workspace)
+        self._files = WorkspaceFiles(workspace_fd)
         return self
 
     def _reap_holder_now(self) -> None:
@@ -161,15 +185,27 @@ class NativeDriver(HostWorkspaceIO):
         os.waitpid(self._pid, 0)
         os.close(self._pidfd)
 
-    async def _await_ready(self) -> None:
+    async def _await_ready(self) -> int:
+        """Wait for READY; returns the workspace fd it carries."""
         with trio.move_on_after(HOLDER_READY_TIMEOUT):
-            data = await self._control.recv(_ffi.REPORT_SIZE)
-            if not data:
-                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
-            report = _ffi.decode_report(data)
-            if report.kind == _ffi.REPORT_READY:
-                return
-            raise _error_from_report(report, "setting up the sandbox")
+            while True:
+                data, ancillary, _, _ = await self._control.recvmsg(_ffi.REPORT_SIZE, socket.CMSG_SPACE(4))
+                if not data:
+                    raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
+                report = _ffi.decode_report(data)
+                if report.kind == _ffi.REPORT_STARTED:
+                    self.holder_pid = report.pid
+                elif report.kind == _ffi.REPORT_READY:
+                    fds = _received_fds(ancillary)
+                    if len(fds) != 1:
+                        for fd in fds:
+                            os.close(fd)
+                        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the holder sent no workspace handle")
+                    return fds[0]
+                elif report.step == "overlay":
+                    raise OverlayUnavailable(f"cannot mount the workspace overlay: {report.message}")
+                else:
+                    raise _error_from_report(report, "setting up the sandbox")
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder did not become ready")
 
     async def spawn(
@@ -210,7 +246,11 @@ class NativeDriver(HostWorkspaceIO):
         return NativeProcess(trio.socket.from_stdlib_socket(host_end), stdout_read, stderr_read)
 
     async def aclose(self) -> None:
+        """Kill everything in the session; returns once it is all gone (also
+        when another task is already closing it)."""
         if self._closed:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
             return
         self._closed = True
         # Closing the control socket makes the holder (pid 1 of the session)
@@ -224,3 +264,4 @@ class NativeDriver(HostWorkspaceIO):
             with trio.move_on_after(HOLDER_EXIT_GRACE):
                 await trio.lowlevel.wait_readable(self._pidfd)
             self._reap_holder_now()
+            self._stopped.set()

@@ -13,6 +13,16 @@ from ._session import Session, create_sandbox_session
 DRIVERS = {"native": NativeDriver}
 
 
+def driver_class(name: object):
+    """The driver class called ``name``."""
+    try:
+        return DRIVERS[name]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT, f"unknown driver {name!r}; choose one of {', '.join(DRIVERS)}"
+        ) from None
+
+
 @asynccontextmanager
 async def open_sandbox(
     workspace: str | os.PathLike[str],
@@ -24,14 +34,7 @@ async def open_sandbox(
 ) -> AsyncIterator[Session]:
     """Start a sandbox whose ``/workspace`` is the host directory
     ``workspace``; everything in it is killed when the block exits."""
-    try:
-        driver_class = DRIVERS[driver]
-    except (KeyError, TypeError):
-        raise SandboxError(
-            ErrorCode.SANDBOX_INVALID_ARGUMENT,
-            f"unknown driver {driver!r}; choose one of {', '.join(DRIVERS)}",
-        ) from None
-    sandbox_driver = await driver_class.start(workspace, network=network, uid=uid, gid=gid)
+    sandbox_driver = await driver_class(driver).start(workspace, network=network, uid=uid, gid=gid)
     try:
         yield create_sandbox_session(sandbox_driver)
     finally:

@@ -180,11 +180,25 @@ async def _terminate(process: SandboxProcess, grace: float) -> None:
     await process.wait()
 
 
-class Session:
-    """A sandbox session over a driver: run commands in it."""
+class Admission(Protocol):
+    """A limit on concurrently running commands, shared by sessions."""
 
-    def __init__(self, driver: SandboxDriver) -> None:
+    def acquire(self) -> None:
+        """Take a slot, or raise SandboxError(SANDBOX_BUSY) at once."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class Session:
+    """A sandbox session over a driver: run commands in it.
+
+    With ``admission``, every command holds one of its slots from before the
+    process starts until the command's whole process tree is gone."""
+
+    def __init__(self, driver: SandboxDriver, admission: Admission | None = None) -> None:
         self.driver = driver
+        self._admission = admission
 
     @property
     def network(self) -> str:
@@ -283,6 +297,26 @@ class Session:
         """Run checked arguments to completion, handing the output streams to
         ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
         through instead (the CLI's own input)."""
+        if self._admission is None:
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd)
+        self._admission.acquire()
+        try:
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd)
+        finally:
+            self._admission.release()
+
+    async def _supervise(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        timeout: float,
+        output: OutputSink,
+        stdin: bytes | None,
+        stdin_fd: int | None,
+    ) -> RunResult:
+        """Spawn, feed, drain and wait; returns only once the command's whole
+        tree is gone, whatever happens (timeout, cancellation, a stop)."""
         started = time.monotonic()
         stdin_write = None
         if stdin is not None:
@@ -327,6 +361,10 @@ class Session:
                     with contextlib.suppress(SandboxError):
                         await _terminate(process, CANCEL_GRACE)
                 await process.aclose()
+                if failure is not None and failure.code == ErrorCode.SANDBOX_STOPPED:
+                    # The session died under the command; its tree is gone
+                    # once the driver has finished closing.
+                    await self.driver.aclose()
         if failure is not None:
             raise failure
         return RunResult(
@@ -340,6 +378,6 @@ class Session:
         )
 
 
-def create_sandbox_session(driver: SandboxDriver) -> Session:
+def create_sandbox_session(driver: SandboxDriver, admission: Admission | None = None) -> Session:
     """Wrap a driver in a :class:`Session`."""
-    return Session(driver)
+    return Session(driver, admission)

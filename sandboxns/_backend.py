@@ -1,0 +1,422 @@
+"""The backend: templates, durable sessions, leases and command admission.
+
+Layout of a state directory (all of it belongs to the trusted host; no
+credential is ever written here)::
+
+    templates/<key>/files/...       immutable template files (see _templates)
+    templates/<key>/template.json
+    sessions/<id>/session.json      backend, template, workspace layout
+    sessions/<id>/lease             flock'd by the live owner (see _lease)
+    sessions/<id>/workspace/        the session's files; with an overlay,
+                                    only what differs from the template
+    sessions/<id>/overlay-work/     overlayfs scratch space
+
+Durability is per process: a crash of the host process loses nothing already
+written, but nothing is fsync'd against power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from ._driver import OverlayUnavailable, check_network_policy
+from ._errors import ErrorCode, SandboxError
+from ._lease import Lease, LeaseRecord, ProcessId, is_locked
+from ._open import driver_class
+from ._session import Session, create_sandbox_session
+from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
+
+DEFAULT_MAX_CONCURRENT_COMMANDS = 8
+STATE_FORMAT = 1
+SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+def _invalid(message: str) -> SandboxError:
+    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
+
+
+class CommandSlots:
+    """The admission limit: at most ``limit`` commands at once across all of
+    a backend's sessions. Refuses instead of queueing, so a caller learns at
+    once that the host is saturated. Trio is single-threaded, so a counter
+    is exact."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def acquire(self) -> None:
+        if self.active >= self.limit:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY,
+                f"all {self.limit} command slots are in use (max_concurrent_commands); try again when one finishes",
+            )
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+def _write_json(path: Path, value: dict) -> None:
+    temporary = path.with_name(f".{path.name}-{secrets.token_hex(6)}")
+    temporary.write_text(json.dumps(value, indent=1))
+    os.rename(temporary, path)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that also removes what overlayfs leaves mode 000."""
+
+    def make_writable_and_retry(function, failed_path, _exc_info):
+        parent = os.path.dirname(failed_path)
+        for target in (parent, failed_path):
+            with contextlib.suppress(OSError):
+                os.chmod(target, 0o700, follow_symlinks=False)
+        function(failed_path)
+
+    if path.exists():
+        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+class SessionHandle:
+    """A session owned by this process: its :class:`Session`, its state
+    descriptor, and its lifetime (stop, shutdown, delete)."""
+
+    def __init__(self, backend: Backend, session_dir: Path, description: dict) -> None:
+        self._backend = backend
+        self._dir = session_dir
+        self.session_id: str = description["session"]
+        self.template_key: str | None = description["template"]
+        self._driver = None
+        self._lease: Lease | None = None
+        self._deleted = False
+        self.session: Session
+
+    def capture_state(self) -> dict:
+        """A small JSON-serialisable descriptor to store and later pass to
+        ``Backend.create(state=...)``. It holds no policy and no secret."""
+        if self._deleted:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"session {self.session_id} was deleted")
+        return {
+            "format": STATE_FORMAT,
+            "backend": self._backend.name,
+            "template": self.template_key,
+            "session": self.session_id,
+        }
+
+    @property
+    def live(self) -> bool:
+        return self._driver is not None
+
+    async def _close(self) -> None:
+        """Kill everything in the session; keeps the lease."""
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            self._backend._live.discard(self)
+            await driver.aclose()
+
+    def _taken_over(self) -> bool:
+        return self._dir.exists() and is_locked(self._dir)
+
+    async def stop(self) -> None:
+        """Kill the session's commands and release it; its files stay.
+        Idempotent, but SANDBOX_BUSY once another handle has taken the
+        session over."""
+        if self.live:
+            await self.shutdown()
+        elif not self._deleted and self._taken_over():
+            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {self.session_id} now belongs to another handle")
+
+    async def shutdown(self) -> None:
+        """Like :meth:`stop`, but never refuses: for ``finally`` blocks. It
+        only ever affects what this handle still holds."""
+        with trio.CancelScope(shield=True):
+            await self._close()
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+
+    async def delete(self) -> None:
+        """Stop the session and remove its state and workspace (never a
+        template, nor a host directory it was bound to). Idempotent;
+        SANDBOX_BUSY if another handle holds the session."""
+        if self._deleted:
+            return
+        with trio.CancelScope(shield=True):
+            await self._close()
+            lease = self._lease
+            if lease is None or not lease.is_current():
+                if lease is not None:
+                    lease.release()
+                    self._lease = None
+                if not self._dir.exists():
+                    self._deleted = True
+                    return
+                lease = await Lease.acquire(self._dir, self._backend.state_directory)
+            try:
+                trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
+                os.rename(self._dir, trash)
+                await trio.to_thread.run_sync(_remove_tree, trash)
+            finally:
+                lease.release()
+                self._lease = None
+            self._deleted = True
+
+
+class Backend:
+    """Owns a state directory: templates, sessions and their leases, and the
+    admission limit shared by all its sessions. Use :func:`open_backend`."""
+
+    def __init__(
+        self,
+        driver: str,
+        state_directory: Path,
+        max_concurrent_commands: int,
+        on_broker_error: Callable[[BaseException], object] | None,
+    ) -> None:
+        self.name = driver
+        self._driver_class = driver_class(driver)
+        self.state_directory = state_directory
+        self.on_broker_error = on_broker_error
+        self._slots = CommandSlots(max_concurrent_commands)
+        self._templates = TemplateStore(state_directory / "templates")
+        self._sessions = state_directory / "sessions"
+        self._overlay = self._driver_class.supports_overlay
+        self._live: set[SessionHandle] = set()
+        self._closed = False
+
+    @property
+    def max_concurrent_commands(self) -> int:
+        return self._slots.limit
+
+    @property
+    def active_commands(self) -> int:
+        """How many admission slots are taken right now."""
+        return self._slots.active
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the backend is closed")
+
+    async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
+        """Snapshot ``files`` (workspace path -> bytes) as a template. The
+        same name and files always give the same key; doing it again is
+        cheap."""
+        self._check_open()
+        name, checked = check_template_files(template, files)
+        return await trio.to_thread.run_sync(self._templates.store, self.name, name, checked)
+
+    async def create(
+        self,
+        *,
+        template: str | None = None,
+        state: Mapping | None = None,
+        workspace: str | os.PathLike[str] | None = None,
+        network: object = "deny-all",
+    ) -> SessionHandle:
+        """Start a session: a new one from ``template`` (a key from
+        :meth:`prewarm`), a new one over the host directory ``workspace``,
+        or a stopped one again from its ``state`` (with the same template).
+        The network policy is given every time; it is never stored."""
+        self._check_open()
+        policy = check_network_policy(network)
+        if state is not None:
+            return await self._resume(state, template, workspace, policy)
+        if workspace is not None:
+            if template is not None:
+                raise _invalid("give either template= or workspace=, not both")
+            return await self._create_bound(workspace, policy)
+        if template is None:
+            raise _invalid("create() needs template=, workspace= or state=")
+        return await self._create_from_template(check_key(template), policy)
+
+    async def _create_from_template(self, key: str, policy: str) -> SessionHandle:
+        if not self._templates.exists(key):
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
+        layout = "overlay" if self._overlay else "copy"
+        description = self._new_description(key, layout)
+        session_dir = await self._make_session_dir(description)
+        if layout == "copy":
+            await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), session_dir / "workspace")
+        return await self._attach(session_dir, description, policy, new=True)
+
+    async def _create_bound(self, workspace: str | os.PathLike[str], policy: str) -> SessionHandle:
+        if not isinstance(workspace, (str, os.PathLike)):
+            raise _invalid(f"workspace must be a path, not {type(workspace).__name__}")
+        path = Path(workspace).resolve()
+        if not path.is_dir():
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
+        state = self.state_directory.resolve()
+        if path == state or state in path.parents or path in state.parents:
+            raise SandboxError(
+                ErrorCode.SANDBOX_PATH_REFUSED,
+                f"workspace {path} overlaps the state directory {state}; a guest must never reach it",
+            )
+        description = self._new_description(None, "bound")
+        description["workspace"] = str(path)
+        session_dir = await self._make_session_dir(description)
+        return await self._attach(session_dir, description, policy, new=True)
+
+    def _new_description(self, key: str | None, layout: str) -> dict:
+        return {
+            "format": STATE_FORMAT,
+            "backend": self.name,
+            "template": key,
+            "session": secrets.token_hex(16),
+            "layout": layout,
+        }
+
+    async def _make_session_dir(self, description: dict) -> Path:
+        """Create a session directory under a temporary name and rename it
+        into place, so no half-made session is ever visible."""
+
+        def make() -> Path:
+            staging = self._sessions / f".new-{description['session']}"
+            staging.mkdir(mode=0o700, parents=True)
+            (staging / "workspace").mkdir(mode=0o755)
+            _write_json(staging / "session.json", description)
+            final = self._sessions / description["session"]
+            os.rename(staging, final)
+            return final
+
+        return await trio.to_thread.run_sync(make)
+
+    async def _resume(self, state: object, template: object, workspace: object, policy: str) -> SessionHandle:
+        if not isinstance(state, Mapping):
+            raise _invalid(f"state must be the dict capture_state() returned, not {type(state).__name__}")
+        if state.get("format") != STATE_FORMAT or not isinstance(state.get("session"), str):
+            raise _invalid("state is not a sandboxns session descriptor (see capture_state())")
+        session_id = state["session"]
+        if not SESSION_ID_PATTERN.fullmatch(session_id):
+            raise _invalid(f"state names an invalid session id {session_id!r}")
+        if state.get("backend") != self.name:
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"session {session_id} belongs to backend {state.get('backend')!r}, not {self.name!r}",
+            )
+        if template != state.get("template"):
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"session {session_id} was made from template {state.get('template')!r}, not {template!r}",
+            )
+        session_dir = self._sessions / session_id
+        try:
+            description = json.loads((session_dir / "session.json").read_text())
+        except FileNotFoundError:
+            raise SandboxError(
+                ErrorCode.SANDBOX_NOT_FOUND, f"session {session_id} does not exist in {self.state_directory}"
+            ) from None
+        if description.get("backend") != self.name or description.get("template") != state.get("template"):
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"state does not match session {session_id}")
+        if workspace is not None and Path(workspace).resolve() != Path(description.get("workspace", "")):
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"session {session_id} is bound to {description.get('workspace') or 'its own workspace'}",
+            )
+        return await self._attach(session_dir, description, policy, new=False)
+
+    async def _attach(self, session_dir: Path, description: dict, policy: str, *, new: bool) -> SessionHandle:
+        """Take the lease and start the session's sandbox."""
+        handle = SessionHandle(self, session_dir, description)
+        try:
+            lease = await Lease.acquire(session_dir, self.state_directory)
+        except BaseException:
+            if new:
+                await trio.to_thread.run_sync(_remove_tree, session_dir)
+            raise
+        try:
+            driver = await self._start_driver(session_dir, description, policy, lease, new=new)
+            lease.record(
+                LeaseRecord(
+                    owner=ProcessId.of(os.getpid()),
+                    launcher=ProcessId.of(driver._pid),
+                    holder=ProcessId.of(driver.holder_pid),
+                )
+            )
+        except BaseException:
+            lease.release()
+            if new:
+                await trio.to_thread.run_sync(_remove_tree, session_dir)
+            raise
+        handle._driver = driver
+        handle._lease = lease
+        handle.session = create_sandbox_session(driver, self._slots)
+        self._live.add(handle)
+        return handle
+
+    async def _start_driver(self, session_dir: Path, description: dict, policy: str, lease: Lease, *, new: bool):
+        layout = description["layout"]
+        workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
+        overlay = None
+        if layout == "overlay":
+            scratch = session_dir / "overlay-work"
+            # overlayfs wants its work directory empty of a previous mount's
+            # leftovers, some of which it makes mode 000.
+            await trio.to_thread.run_sync(_remove_tree, scratch)
+            scratch.mkdir(mode=0o700)
+            overlay = (self._templates.files_of(description["template"]), scratch)
+        try:
+            return await self._driver_class.start(workspace, network=policy, overlay=overlay, lease_fd=lease.fd)
+        except OverlayUnavailable:
+            if not new:
+                raise
+        # This kernel cannot overlay here: remember, and copy this session's
+        # template into its workspace instead.
+        self._overlay = False
+        description["layout"] = "copy"
+        await trio.to_thread.run_sync(_remove_tree, session_dir / "overlay-work")
+        await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
+        await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
+        return await self._driver_class.start(workspace, network=policy, lease_fd=lease.fd)
+
+    async def aclose(self) -> None:
+        """Shut down every session this backend still runs."""
+        self._closed = True
+        for handle in list(self._live):
+            await handle.shutdown()
+
+
+def _check_limit(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _invalid(f"max_concurrent_commands must be a positive integer, not {value!r}")
+    return value
+
+
+@asynccontextmanager
+async def open_backend(
+    *,
+    driver: str = "native",
+    state_directory: str | os.PathLike[str],
+    max_concurrent_commands: int = DEFAULT_MAX_CONCURRENT_COMMANDS,
+    on_broker_error: Callable[[BaseException], object] | None = None,
+) -> AsyncIterator[Backend]:
+    """A backend over ``state_directory`` (created if missing) for as long
+    as the block runs; sessions still live at its end are shut down (their
+    files stay)."""
+    driver_class(driver)
+    limit = _check_limit(max_concurrent_commands)
+    if on_broker_error is not None and not callable(on_broker_error):
+        raise _invalid("on_broker_error must be a callable or None")
+    if not isinstance(state_directory, (str, os.PathLike)) or not str(state_directory):
+        raise _invalid(f"state_directory must be a path, not {state_directory!r}")
+    root = Path(state_directory).absolute()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for part in ("templates", "sessions"):
+            (root / part).mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot use state directory {root}: {exc}") from None
+    backend = Backend(driver, root, limit, on_broker_error)
+    try:
+        yield backend
+    finally:
+        await backend.aclose()

@@ -1,0 +1,332 @@
+"""Exclusive session leases: an flock on ``sessions/<id>/lease``.
+
+The kernel drops an flock when the last descriptor of its open file goes away,
+so a crashed owner never leaves a lock behind. The owner also hands the same
+open file to its session's holder launcher (``NativeDriver.start(lease_fd=)``),
+which exits only after every process of the session has been reaped: while
+anything of a session may still run, its lease stays locked.
+
+The lease file's content is a record of who holds it (owner, launcher and
+holder processes, each as pid + start time so a reused pid is not mistaken
+for the original). It is only advisory, for deciding what a *free* or *held*
+lock means:
+
+* held, owner alive: a second attach is refused (SANDBOX_BUSY);
+* held, owner dead, launcher alive: the session is being torn down; wait a
+  moment for it;
+* free, holder still alive: cannot happen unless the launcher was killed on
+  its own; safety cannot be proven, so refuse and point at the operator
+  commands (``sandboxns lease list|clear``).
+
+An operator's ``clear --force`` kills what remains and replaces the lease
+file, so a still-running former owner loses its claim (see ``is_current``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from ._errors import ErrorCode, SandboxError
+
+LEASE_NAME = "lease"
+# How long an attach waits for a dead owner's session to finish tearing down.
+TEARDOWN_WAIT = 5.0
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as the host sees it: pid plus start time (in clock ticks
+    since boot), which together never name two different processes."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        start = _start_time(pid)
+        return None if start is None else cls(pid, start)
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.start
+
+    def as_json(self) -> dict:
+        return {"pid": self.pid, "start": self.start}
+
+    @classmethod
+    def from_json(cls, value: object) -> ProcessId | None:
+        if isinstance(value, dict) and isinstance(value.get("pid"), int) and isinstance(value.get("start"), int):
+            return cls(value["pid"], value["start"])
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; the
+    # fields after its closing parenthesis are plain. starttime is field 22.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    owner: ProcessId | None = None
+    launcher: ProcessId | None = None
+    holder: ProcessId | None = None
+
+    def as_json(self) -> dict:
+        return {
+            name: value.as_json()
+            for name, value in (("owner", self.owner), ("launcher", self.launcher), ("holder", self.holder))
+            if value is not None
+        }
+
+    @classmethod
+    def parse(cls, data: bytes) -> LeaseRecord:
+        try:
+            value = json.loads(data or b"{}")
+        except ValueError:
+            return cls()
+        if not isinstance(value, dict):
+            return cls()
+        return cls(*(ProcessId.from_json(value.get(name)) for name in ("owner", "launcher", "holder")))
+
+
+def _read_record(fd: int) -> LeaseRecord:
+    return LeaseRecord.parse(os.pread(fd, 65536, 0))
+
+
+def read_record(path: Path) -> LeaseRecord:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return LeaseRecord()
+    try:
+        return _read_record(fd)
+    finally:
+        os.close(fd)
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd of the lease file holding its lock, or None if it is held. The
+    fd is checked to still be the file at ``path`` (an operator may have
+    replaced it)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)  # replaced under us: lock the new file instead
+
+
+async def _wait_gone(process: ProcessId, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a process to exit; True once it has."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if not process.alive():  # the pid was reused after all
+            return True
+        with trio.move_on_after(timeout):
+            await trio.lowlevel.wait_readable(pidfd)
+            return True
+        return False
+    finally:
+        os.close(pidfd)
+
+
+def operator_hint(state_directory: Path, session_id: str) -> str:
+    return (
+        f"inspect it with 'sandboxns lease list --state-dir {state_directory}' and, once you know it is safe,"
+        f" 'sandboxns lease clear --state-dir {state_directory} {session_id}'"
+    )
+
+
+class Lease:
+    """A held lease. ``release`` (or the owner's death) frees it."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    async def acquire(cls, session_dir: Path, state_directory: Path) -> Lease:
+        path = session_dir / LEASE_NAME
+        session_id = session_dir.name
+        fd = _try_lock(path)
+        if fd is None:
+            record = read_record(path)
+            if record.owner is not None and record.owner.alive():
+                who = "this process" if record.owner.pid == os.getpid() else f"process {record.owner.pid}"
+                raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {session_id} is in use by {who}")
+            # The owner is gone but its session is still being torn down.
+            if record.launcher is not None:
+                await _wait_gone(record.launcher, TEARDOWN_WAIT)
+            fd = _try_lock(path)
+            if fd is None:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_BUSY,
+                    f"session {session_id} is locked by a process that is not its recorded owner; "
+                    + operator_hint(state_directory, session_id),
+                )
+        try:
+            record = _read_record(fd)
+            if record.holder is not None and not await _wait_gone(record.holder, TEARDOWN_WAIT):
+                raise SandboxError(
+                    ErrorCode.SANDBOX_BUSY,
+                    f"session {session_id} still has processes (holder pid {record.holder.pid}) although nobody "
+                    "holds its lease; " + operator_hint(state_directory, session_id),
+                )
+            lease = cls(path, fd)
+            lease.record(LeaseRecord(owner=ProcessId.of(os.getpid())))
+            return lease
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def record(self, record: LeaseRecord) -> None:
+        data = json.dumps(record.as_json()).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def is_current(self) -> bool:
+        """Whether this lease is still the session's (an operator's forced
+        clear replaces the file) and not released."""
+        if self.fd < 0:
+            return False
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self.fd)
+        return (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino)
+
+    def release(self) -> None:
+        """Unlock. A launcher that shares the lock keeps it until its session
+        is gone; by the time callers release, it has exited."""
+        if self.fd >= 0:
+            if self.is_current():
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def is_locked(session_dir: Path) -> bool:
+    """Whether someone holds the session's lease right now."""
+    fd = _try_lock(session_dir / LEASE_NAME)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    session_id: str
+    locked: bool
+    record: LeaseRecord
+
+    def describe(self) -> str:
+        owner, holder = self.record.owner, self.record.holder
+        if self.locked:
+            if owner is not None and owner.alive():
+                return f"held by process {owner.pid}"
+            return "held by a process that is not its recorded owner (tearing down?)"
+        if holder is not None and holder.alive():
+            return f"free, but processes remain (holder pid {holder.pid})"
+        return "free"
+
+
+def lease_status(session_dir: Path) -> LeaseStatus:
+    locked = is_locked(session_dir)
+    return LeaseStatus(session_dir.name, locked, read_record(session_dir / LEASE_NAME))
+
+
+def _kill(process: ProcessId | None) -> None:
+    if process is None:
+        return
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except ProcessLookupError:
+        return
+    try:
+        if process.alive():
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+async def clear_lease(session_dir: Path, force: bool) -> str:
+    """The operator's ``lease clear``: make the session attachable again.
+
+    Refuses while any process of the session may remain or a live owner
+    holds it, unless ``force``: then the session's processes are killed and
+    the lease file replaced, so a live former owner loses its claim."""
+    status = lease_status(session_dir)
+    owner, launcher, holder = status.record.owner, status.record.launcher, status.record.holder
+    remaining = [p for p in (launcher, holder) if p is not None and p.alive()]
+    owner_alive = status.locked and owner is not None and owner.alive()
+    if not force:
+        if owner_alive:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY,
+                f"session {status.session_id} is held by live process {owner.pid}; "
+                "use --force to kill its processes and take the lease away",
+            )
+        if remaining or status.locked:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY,
+                f"session {status.session_id} still has processes "
+                f"({', '.join(str(p.pid) for p in remaining) or 'unknown, the lease is locked'}); "
+                "use --force to kill them first",
+            )
+    for process in (holder, launcher):
+        _kill(process)
+    for process in (holder, launcher):
+        if process is not None:
+            await _wait_gone(process, TEARDOWN_WAIT)
+    # A fresh file: whoever still locks the old one no longer holds the lease.
+    path = session_dir / LEASE_NAME
+    fresh = session_dir / f".{LEASE_NAME}-{secrets.token_hex(6)}"
+    fresh.write_bytes(b"")
+    fresh.chmod(0o600)
+    os.rename(fresh, path)
+    if status.locked or remaining:
+        return f"session {status.session_id}: killed {len(remaining)} process(es) and replaced the lease"
+    return f"session {status.session_id}: the lease was already free; record reset"
+
+
+def session_ids(state_directory: Path) -> list[str]:
+    try:
+        return sorted(
+            entry.name
+            for entry in os.scandir(state_directory / "sessions")
+            if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
+        )
+    except FileNotFoundError:
+        return []
