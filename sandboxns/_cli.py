@@ -15,6 +15,7 @@ import trio
 
 from ._driver import NETWORK_POLICIES
 from ._errors import ErrorCode, SandboxError
+from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
 from ._session import DEFAULT_ENV, DEFAULT_TIMEOUT, check_command
 
@@ -118,7 +119,41 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--driver", choices=sorted(DRIVERS), default="native")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     commands.add_parser("doctor", help="check that this host can run sandboxes, and say what to fix")
+    lease = commands.add_parser(
+        "lease",
+        help="inspect or clear backend session leases",
+        description="Operator commands for a backend's state directory. A session whose owner died is "
+        "recovered automatically when that is provably safe; these are for the cases where it is not.",
+    )
+    lease_commands = lease.add_subparsers(dest="lease_command", required=True)
+    listing = lease_commands.add_parser("list", help="show every session and who holds it")
+    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    clear = lease_commands.add_parser(
+        "clear",
+        help="make a session attachable again",
+        description="Refuses while the session has processes or a live owner, unless --force: then its "
+        "processes are killed first and the lease is replaced, so a live former owner loses it.",
+    )
+    clear.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    clear.add_argument("session", help="session id (from 'lease list')")
+    clear.add_argument("--force", action="store_true", help="kill the session's remaining processes first")
     return parser
+
+
+def _session_dir(state_dir: Path, session_id: str) -> Path:
+    if session_id not in session_ids(state_dir):
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id!r} in {state_dir}")
+    return state_dir / "sessions" / session_id
+
+
+def _lease(args: argparse.Namespace) -> int:
+    if args.lease_command == "list":
+        for session_id in session_ids(args.state_dir):
+            status = lease_status(args.state_dir / "sessions" / session_id)
+            print(f"{session_id}  {status.describe()}")
+        return 0
+    print(trio.run(clear_lease, _session_dir(args.state_dir, args.session), args.force))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Like any command-line tool in a pipeline: a closed stdout ends us quietly.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
+        if args.subcommand == "lease":
+            return _lease(args)
         return trio.run(_run, args)
     except SandboxError as error:
         print(f"sandboxns: {error.message}", file=sys.stderr)

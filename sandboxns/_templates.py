@@ -116,6 +116,7 @@ class TemplateStore:
             return template
         staging = self.root / f".new-{key[:16]}-{secrets.token_hex(6)}"
         try:
+            (staging / "files").mkdir(parents=True)
             for relative, content in files.items():
                 target = staging / "files" / relative
                 target.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,17 @@ async def session(driver_name: str, workspace: Path):
         yield opened
 
 
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+async def backend(driver_name: str, state_dir: Path):
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as opened:
+        yield opened
+
+
 def sleep_marker() -> str:
     """A unique `sleep` duration, so a test can find exactly its own guest
     processes in the host's process table."""

@@ -1,0 +1,47 @@
+"""A backend owner in its own OS process, driven by test_leases.py.
+
+python lease_owner.py STATE_DIR create MARKER   new session; prints its state,
+                                                then "running" once a command
+                                                (sleep MARKER) runs; waits
+python lease_owner.py STATE_DIR resume STATE    prints "resumed <file>" and waits
+                                                for stdin to close, or the
+                                                SandboxError code on failure
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import trio
+
+import sandboxns
+
+
+async def main(state_dir: str, mode: str, argument: str) -> None:
+    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+        template = await backend.prewarm(template="lease-test", files={"kept.txt": b"from the template"})
+        try:
+            if mode == "create":
+                handle = await backend.create(template=template.template_key)
+                await handle.session.write_file("written.txt", b"before the crash")
+                print(json.dumps(handle.capture_state()), flush=True)
+                process = await handle.session.driver.spawn(
+                    ["sh", "-c", f"echo running; exec sleep {argument}"],
+                    env={"PATH": "/usr/bin:/bin"},
+                    cwd="/workspace",
+                )
+                print((await process.stdout.receive_some(100)).decode().strip(), flush=True)
+                await trio.sleep_forever()
+            handle = await backend.create(template=template.template_key, state=json.loads(argument))
+        except sandboxns.SandboxError as error:
+            print(error.code.value, error.message, flush=True)
+            return
+        content = await handle.session.read_text_file("written.txt")
+        print("resumed", content.replace(" ", "_"), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)
+        await handle.shutdown()
+
+
+if __name__ == "__main__":
+    trio.run(main, *sys.argv[1:4])

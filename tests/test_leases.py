@@ -1,0 +1,152 @@
+"""Leases across OS processes: one owner at a time, automatic recovery when a
+crashed owner's session is provably gone, and the operator commands when it
+is not."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import host_processes_with, sleep_marker
+
+import sandboxns
+from sandboxns import ErrorCode, SandboxError, _lease
+
+pytestmark = pytest.mark.smoke
+
+OWNER = str(Path(__file__).with_name("lease_owner.py"))
+
+
+class Owner:
+    """lease_owner.py in its own process, read line by line."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+
+    @classmethod
+    async def start(cls, state_dir: Path, mode: str, argument: str) -> Owner:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, OWNER, str(state_dir), mode, argument],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        return cls(process)
+
+    async def line(self) -> str:
+        with trio.fail_after(20):
+            while b"\n" not in self._buffer:
+                chunk = await self.process.stdout.receive_some(4096)
+                assert chunk, f"owner exited early: {self._buffer!r}"
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    async def finish(self) -> int:
+        await self.process.stdin.aclose()
+        with trio.fail_after(20):
+            return await self.process.wait()
+
+
+def sandboxns_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sandboxns", *args], check=False, capture_output=True, text=True, cwd="/"
+    )
+
+
+async def test_two_processes_contend_and_a_crashed_owner_is_recovered(state_dir):
+    marker = sleep_marker()
+    first = await Owner.start(state_dir, "create", marker)
+    state = await first.line()
+    assert await first.line() == "running"
+    assert host_processes_with(marker)
+
+    second = await Owner.start(state_dir, "resume", state)
+    refusal = await second.line()
+    assert refusal.startswith("SANDBOX_BUSY") and f"process {first.process.pid}" in refusal
+    assert await second.finish() == 0
+
+    first.process.kill()  # SIGKILL, mid-command
+    await first.process.wait()
+    third = await Owner.start(state_dir, "resume", state)
+    assert await third.line() == "resumed before_the_crash"
+    assert host_processes_with(marker) == []  # nothing of the first owner's session is left
+    assert await third.finish() == 0
+    listing = sandboxns_cli("lease", "list", "--state-dir", str(state_dir))
+    assert listing.returncode == 0 and f"{json.loads(state)['session']}  free" in listing.stdout
+
+
+async def test_when_safety_cannot_be_proven_the_operator_decides(state_dir, monkeypatch):
+    monkeypatch.setattr(_lease, "TEARDOWN_WAIT", 0.2)
+    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+        template = await backend.prewarm(template="t", files={"a": b"1"})
+        handle = await backend.create(template=template.template_key)
+        state = handle.capture_state()
+        await handle.stop()
+        session_dir = state_dir / "sessions" / state["session"]
+        lease_file = session_dir / "lease"
+
+        # 1. The lease is free, but a process of the session seems to remain.
+        leftover = await trio.lowlevel.open_process(["sleep", sleep_marker()])
+        record = _lease.LeaseRecord(holder=_lease.ProcessId.of(leftover.pid))
+        lease_file.write_text(json.dumps(record.as_json()))
+        with pytest.raises(SandboxError) as error:
+            await backend.create(template=template.template_key, state=state)
+        assert error.value.code == ErrorCode.SANDBOX_BUSY
+        assert f"lease list --state-dir {state_dir}" in error.value.message
+        listing = sandboxns_cli("lease", "list", "--state-dir", str(state_dir))
+        assert f"processes remain (holder pid {leftover.pid})" in listing.stdout
+        refusal = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"])
+        assert refusal.returncode != 0 and "--force" in refusal.stderr
+        assert leftover.poll() is None  # nothing was killed without --force
+        forced = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"], "--force")
+        assert forced.returncode == 0, forced.stderr
+        assert await leftover.wait() == -9
+        resumed = await backend.create(template=template.template_key, state=state)
+        await resumed.stop()
+
+        # 2. Someone other than the recorded (dead) owner locks the lease.
+        stuck = os.open(lease_file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(stuck, fcntl.LOCK_EX)
+            with pytest.raises(SandboxError) as error:
+                await backend.create(template=template.template_key, state=state)
+            assert error.value.code == ErrorCode.SANDBOX_BUSY and "lease clear" in error.value.message
+            assert "not its recorded owner" in sandboxns_cli("lease", "list", "--state-dir", str(state_dir)).stdout
+            assert sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"]).returncode != 0
+            forced = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"], "--force")
+            assert forced.returncode == 0, forced.stderr
+            # The stuck process's lock no longer counts: the file was replaced.
+            resumed = await backend.create(template=template.template_key, state=state)
+            assert await resumed.session.read_text_file("a") == "1"
+            await resumed.delete()
+        finally:
+            os.close(stuck)
+    assert sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"]).returncode != 0
+
+
+async def test_a_forced_clear_takes_the_session_from_a_live_owner(state_dir):
+    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+        template = await backend.prewarm(template="t", files={})
+        handle = await backend.create(template=template.template_key)
+        session_id = handle.session_id
+        assert sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), session_id).returncode != 0
+        assert (await handle.session.run("true")).exit_code == 0
+        forced = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), session_id, "--force")
+        assert forced.returncode == 0, forced.stderr
+        with pytest.raises(SandboxError) as error:
+            await handle.session.run("true")  # its sandbox was killed
+        assert error.value.code == ErrorCode.SANDBOX_STOPPED
+        taker = await backend.create(template=template.template_key, state=handle.capture_state())
+        with pytest.raises(SandboxError) as error:
+            await handle.delete()
+        assert error.value.code == ErrorCode.SANDBOX_BUSY
+        await handle.shutdown()
+        await taker.delete()
+        assert os.listdir(state_dir / "sessions") == []
