@@ -74,17 +74,23 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _remove_tree(path: Path) -> None:
-    """rmtree that also removes what overlayfs leaves mode 000."""
+    """rmtree that also removes the directories overlayfs leaves mode 000
+    (root ignores the mode; anyone else must restore it first). Everything
+    in a session is stopped before its tree is removed."""
 
-    def make_writable_and_retry(function, failed_path, _exc_info):
-        parent = os.path.dirname(failed_path)
-        for target in (parent, failed_path):
+    def unlock_and_retry(function, failed_path, exc_info):
+        if not isinstance(exc_info[1], PermissionError):
+            raise exc_info[1]
+        for target in (os.path.dirname(failed_path), failed_path):
             with contextlib.suppress(OSError):
                 os.chmod(target, 0o700, follow_symlinks=False)
-        function(failed_path)
+        if os.path.isdir(failed_path) and not os.path.islink(failed_path):
+            shutil.rmtree(failed_path, onerror=unlock_and_retry)
+        else:
+            function(failed_path)
 
     if path.exists():
-        shutil.rmtree(path, onerror=make_writable_and_retry)
+        shutil.rmtree(path, onerror=unlock_and_retry)
 
 
 class SessionHandle:
