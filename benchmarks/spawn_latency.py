@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -68,12 +68,15 @@ async def measure(n: int) -> dict[str, dict[str, float]]:
                 result = await session.run(TRUE)
                 assert result.exit_code == 0, result
 
-            variants: dict[str, Callable[[], Awaitable[object]]] = {
-                "bare": lambda: trio.run_process([TRUE]),
-                "native": native,
-            }
+            async def bare() -> None:
+                await trio.run_process([TRUE])
+
+            async def bwrap_cli() -> None:
+                await trio.run_process(bwrap)
+
+            variants: dict[str, Callable[[], Awaitable[object]]] = {"bare": bare, "native": native}
             if bwrap is not None:
-                variants["bwrap_cli"] = lambda: trio.run_process(bwrap)
+                variants["bwrap_cli"] = bwrap_cli
             samples: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(max(5, n // 20)):  # warm-up
                 for run in variants.values():
