@@ -1,0 +1,26 @@
+"""The README's Python examples run as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.smoke
+
+README = Path(__file__).parent.parent / "README.md"
+EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if README.exists() else []
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="README.md is not next to the tests")
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_readme_example_runs(index, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", EXAMPLES[index]], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    if "prewarm" in EXAMPLES[index]:
+        assert result.stdout == "hello\nhello\n"
