@@ -31,7 +31,7 @@ import trio
 
 from ._driver import OverlayUnavailable, check_network_policy
 from ._errors import ErrorCode, SandboxError
-from ._lease import Lease, LeaseRecord, ProcessId, is_locked
+from ._lease import Lease, is_locked
 from ._open import driver_class
 from ._session import Session, create_sandbox_session
 from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
@@ -341,13 +341,6 @@ class Backend:
             raise
         try:
             driver = await self._start_driver(session_dir, description, policy, lease, new=new)
-            lease.record(
-                LeaseRecord(
-                    owner=ProcessId.of(os.getpid()),
-                    launcher=ProcessId.of(driver._pid),
-                    holder=ProcessId.of(driver.holder_pid),
-                )
-            )
         except BaseException:
             lease.release()
             if new:
@@ -371,7 +364,7 @@ class Backend:
             scratch.mkdir(mode=0o700)
             overlay = (self._templates.files_of(description["template"]), scratch)
         try:
-            return await self._driver_class.start(workspace, network=policy, overlay=overlay, lease_fd=lease.fd)
+            return await self._driver_class.start(workspace, network=policy, overlay=overlay, lease=lease)
         except OverlayUnavailable:
             if not new:
                 raise
@@ -382,7 +375,7 @@ class Backend:
         await trio.to_thread.run_sync(_remove_tree, session_dir / "overlay-work")
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
-        return await self._driver_class.start(workspace, network=policy, lease_fd=lease.fd)
+        return await self._driver_class.start(workspace, network=policy, lease=lease)
 
     async def aclose(self) -> None:
         """Shut down every session this backend still runs."""

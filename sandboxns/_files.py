@@ -77,6 +77,8 @@ def _error(exc: OSError, guest_path: str) -> SandboxError:
         )
     if exc.errno in (errno.ENXIO, errno.ENODEV):  # opening a socket or absent device
         return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is not a regular file")
+    if exc.errno in (errno.EACCES, errno.EPERM):  # file modes, or a device on a nodev mount
+        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path}: permission denied")
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
     if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):

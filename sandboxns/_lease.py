@@ -1,22 +1,22 @@
 """Exclusive session leases: an flock on ``sessions/<id>/lease``.
 
 The kernel drops an flock when the last descriptor of its open file goes away,
-so a crashed owner never leaves a lock behind. The owner also hands the same
-open file to its session's holder launcher (``NativeDriver.start(lease_fd=)``),
-which exits only after every process of the session has been reaped: while
-anything of a session may still run, its lease stays locked.
+so a crashed owner never leaves a lock behind. Its session's processes may
+outlive it by a moment, though, so the lease file also records them: the
+owner, and the processes whose exit proves that nothing of the session is left
+(the native driver's holder launcher and holder; the bwrap driver's monitor
+and init of each running command). Each is recorded as pid + start time, so a
+reused pid is never mistaken for the original. The native launcher also
+shares the lock itself and exits only after the whole session is reaped.
 
-The lease file's content is a record of who holds it (owner, launcher and
-holder processes, each as pid + start time so a reused pid is not mistaken
-for the original). It is only advisory, for deciding what a *free* or *held*
-lock means:
+When the lock is
 
-* held, owner alive: a second attach is refused (SANDBOX_BUSY);
-* held, owner dead, launcher alive: the session is being torn down; wait a
-  moment for it;
-* free, holder still alive: cannot happen unless the launcher was killed on
-  its own; safety cannot be proven, so refuse and point at the operator
-  commands (``sandboxns lease list|clear``).
+* held by a live owner: a second attach is refused (SANDBOX_BUSY);
+* held, or free, while recorded processes still run: the owner died and its
+  session is being torn down; wait a moment for that;
+* still not free of processes after that: safety cannot be proven, so the
+  attach is refused, pointing at the operator commands (``sandboxns lease
+  list|clear``).
 
 An operator's ``clear --force`` kills what remains and replaces the lease
 file, so a still-running former owner loses its claim (see ``is_current``).
@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,15 +83,13 @@ def _start_time(pid: int) -> int | None:
 @dataclass(frozen=True)
 class LeaseRecord:
     owner: ProcessId | None = None
-    launcher: ProcessId | None = None
-    holder: ProcessId | None = None
+    processes: tuple[ProcessId, ...] = ()
 
     def as_json(self) -> dict:
-        return {
-            name: value.as_json()
-            for name, value in (("owner", self.owner), ("launcher", self.launcher), ("holder", self.holder))
-            if value is not None
-        }
+        value: dict = {"processes": [process.as_json() for process in self.processes]}
+        if self.owner is not None:
+            value["owner"] = self.owner.as_json()
+        return value
 
     @classmethod
     def parse(cls, data: bytes) -> LeaseRecord:
@@ -100,7 +99,12 @@ class LeaseRecord:
             return cls()
         if not isinstance(value, dict):
             return cls()
-        return cls(*(ProcessId.from_json(value.get(name)) for name in ("owner", "launcher", "holder")))
+        processes = value.get("processes")
+        listed = [ProcessId.from_json(item) for item in processes] if isinstance(processes, list) else []
+        return cls(ProcessId.from_json(value.get("owner")), tuple(p for p in listed if p is not None))
+
+    def remaining(self) -> list[ProcessId]:
+        return [process for process in self.processes if process.alive()]
 
 
 def _read_record(fd: int) -> LeaseRecord:
@@ -142,8 +146,9 @@ def _try_lock(path: Path) -> int | None:
         os.close(fd)  # replaced under us: lock the new file instead
 
 
-async def _wait_gone(process: ProcessId, timeout: float) -> bool:
-    """Wait up to ``timeout`` for a process to exit; True once it has."""
+async def _wait_gone(process: ProcessId, deadline: float) -> bool:
+    """Wait until ``deadline`` (trio time) for a process to exit; True once
+    it has."""
     try:
         pidfd = os.pidfd_open(process.pid)
     except ProcessLookupError:
@@ -151,12 +156,19 @@ async def _wait_gone(process: ProcessId, timeout: float) -> bool:
     try:
         if not process.alive():  # the pid was reused after all
             return True
-        with trio.move_on_after(timeout):
+        with trio.move_on_at(deadline):
             await trio.lowlevel.wait_readable(pidfd)
             return True
         return False
     finally:
         os.close(pidfd)
+
+
+async def wait_all_gone(processes: Iterable[ProcessId], timeout: float) -> list[ProcessId]:
+    """Wait up to ``timeout`` for all of ``processes`` to exit; returns those
+    still running."""
+    deadline = trio.current_time() + timeout
+    return [process for process in processes if not await _wait_gone(process, deadline)]
 
 
 def operator_hint(state_directory: Path, session_id: str) -> str:
@@ -184,8 +196,7 @@ class Lease:
                 who = "this process" if record.owner.pid == os.getpid() else f"process {record.owner.pid}"
                 raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {session_id} is in use by {who}")
             # The owner is gone but its session is still being torn down.
-            if record.launcher is not None:
-                await _wait_gone(record.launcher, TEARDOWN_WAIT)
+            await wait_all_gone(record.processes, TEARDOWN_WAIT)
             fd = _try_lock(path)
             if fd is None:
                 raise SandboxError(
@@ -194,19 +205,25 @@ class Lease:
                     + operator_hint(state_directory, session_id),
                 )
         try:
-            record = _read_record(fd)
-            if record.holder is not None and not await _wait_gone(record.holder, TEARDOWN_WAIT):
+            remaining = await wait_all_gone(_read_record(fd).processes, TEARDOWN_WAIT)
+            if remaining:
                 raise SandboxError(
                     ErrorCode.SANDBOX_BUSY,
-                    f"session {session_id} still has processes (holder pid {record.holder.pid}) although nobody "
-                    "holds its lease; " + operator_hint(state_directory, session_id),
+                    f"session {session_id} still has processes ({_pids(remaining)}) although nobody holds its "
+                    "lease; " + operator_hint(state_directory, session_id),
                 )
             lease = cls(path, fd)
-            lease.record(LeaseRecord(owner=ProcessId.of(os.getpid())))
+            lease.track(())
             return lease
         except BaseException:
             os.close(fd)
             raise
+
+    def track(self, processes: Iterable[ProcessId | None]) -> None:
+        """Record the processes whose exit proves the session is gone (see
+        the module docstring; None, a process already gone, is skipped); the
+        owner is this process."""
+        self.record(LeaseRecord(ProcessId.of(os.getpid()), tuple(p for p in processes if p is not None)))
 
     def record(self, record: LeaseRecord) -> None:
         data = json.dumps(record.as_json()).encode()
@@ -252,14 +269,18 @@ class LeaseStatus:
     record: LeaseRecord
 
     def describe(self) -> str:
-        owner, holder = self.record.owner, self.record.holder
+        owner, remaining = self.record.owner, self.record.remaining()
         if self.locked:
             if owner is not None and owner.alive():
                 return f"held by process {owner.pid}"
             return "held by a process that is not its recorded owner (tearing down?)"
-        if holder is not None and holder.alive():
-            return f"free, but processes remain (holder pid {holder.pid})"
+        if remaining:
+            return f"free, but processes remain ({_pids(remaining)})"
         return "free"
+
+
+def _pids(processes: Iterable[ProcessId]) -> str:
+    return "pid " + ", ".join(str(process.pid) for process in processes)
 
 
 def lease_status(session_dir: Path) -> LeaseStatus:
@@ -288,8 +309,7 @@ async def clear_lease(session_dir: Path, force: bool) -> str:
     holds it, unless ``force``: then the session's processes are killed and
     the lease file replaced, so a live former owner loses its claim."""
     status = lease_status(session_dir)
-    owner, launcher, holder = status.record.owner, status.record.launcher, status.record.holder
-    remaining = [p for p in (launcher, holder) if p is not None and p.alive()]
+    owner, remaining = status.record.owner, status.record.remaining()
     owner_alive = status.locked and owner is not None and owner.alive()
     if not force:
         if owner_alive:
@@ -302,14 +322,12 @@ async def clear_lease(session_dir: Path, force: bool) -> str:
             raise SandboxError(
                 ErrorCode.SANDBOX_BUSY,
                 f"session {status.session_id} still has processes "
-                f"({', '.join(str(p.pid) for p in remaining) or 'unknown, the lease is locked'}); "
+                f"({_pids(remaining) if remaining else 'unknown, the lease is locked'}); "
                 "use --force to kill them first",
             )
-    for process in (holder, launcher):
+    for process in remaining:
         _kill(process)
-    for process in (holder, launcher):
-        if process is not None:
-            await _wait_gone(process, TEARDOWN_WAIT)
+    await wait_all_gone(remaining, TEARDOWN_WAIT)
     # A fresh file: whoever still locks the old one no longer holds the lease.
     path = session_dir / LEASE_NAME
     fresh = session_dir / f".{LEASE_NAME}-{secrets.token_hex(6)}"

@@ -24,6 +24,7 @@ from . import _ffi
 from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
+from ._lease import Lease, ProcessId
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
 # Session setup is a few milliseconds; this only bounds a wedged holder.
@@ -118,14 +119,15 @@ class NativeDriver(HostWorkspaceIO):
         uid: int = 1000,
         gid: int = 1000,
         overlay: tuple[Path, Path] | None = None,
-        lease_fd: int | None = None,
+        lease: Lease | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(template, scratch)`` the workspace is
         instead the overlay of ``workspace`` (the writable upper layer) on the
         read-only ``template``; ``scratch`` is overlayfs's work directory.
-        ``lease_fd``, a locked lease file, stays locked until every process
-        of the session is gone, even if this process dies first."""
+        ``lease``, a held session lease, is shared with the holder's
+        launcher, so it stays locked until every process of the session is
+        gone, even if this process dies first."""
         policy = check_network_policy(network)
         for label, value in (("uid", uid), ("gid", gid)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
@@ -164,7 +166,7 @@ class NativeDriver(HostWorkspaceIO):
                 # Synchronously, in this (trio's) thread: see spawn_holder.
                 try:
                     self._pid = _ffi.spawn_holder(
-                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if lease_fd is None else lease_fd
+                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if lease is None else lease.fd
                     )
                 except OSError as exc:
                     raise SandboxError(
@@ -175,6 +177,8 @@ class NativeDriver(HostWorkspaceIO):
             self._control = trio.socket.from_stdlib_socket(host_end)
             workspace_fd = await self._await_ready()
             cleanup.pop_all()
+        if lease is not None:
+            lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._files = WorkspaceFiles(workspace_fd)
         return self

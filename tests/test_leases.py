@@ -94,14 +94,14 @@ async def test_when_safety_cannot_be_proven_the_operator_decides(state_dir, monk
 
         # 1. The lease is free, but a process of the session seems to remain.
         leftover = await trio.lowlevel.open_process(["sleep", sleep_marker()])
-        record = _lease.LeaseRecord(holder=_lease.ProcessId.of(leftover.pid))
+        record = _lease.LeaseRecord(processes=(_lease.ProcessId.of(leftover.pid),))
         lease_file.write_text(json.dumps(record.as_json()))
         with pytest.raises(SandboxError) as error:
             await backend.create(template=template.template_key, state=state)
         assert error.value.code == ErrorCode.SANDBOX_BUSY
         assert f"lease list --state-dir {state_dir}" in error.value.message
         listing = sandboxns_cli("lease", "list", "--state-dir", str(state_dir))
-        assert f"processes remain (holder pid {leftover.pid})" in listing.stdout
+        assert f"processes remain (pid {leftover.pid})" in listing.stdout
         refusal = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"])
         assert refusal.returncode != 0 and "--force" in refusal.stderr
         assert leftover.poll() is None  # nothing was killed without --force
