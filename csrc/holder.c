@@ -140,7 +140,8 @@ int main(int argc, char **argv)
     pid_t host = getppid();
 
     reset_signals();
-    if (parse_args(argc, argv, &cfg, &err) < 0 || userns_enter(&cfg, &err) < 0)
+    if (parse_args(argc, argv, &cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
+        userns_forbid_nesting(&err) < 0)
         goto report;
     holder = fork();
     if (holder < 0) {

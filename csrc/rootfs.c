@@ -272,7 +272,7 @@ static int build_dev(struct sbx_report *err)
     static const char *const links[][2] = {
         {"pts/ptmx", "dev/ptmx"},       {"/proc/self/fd", "dev/fd"},
         {"/proc/self/fd/0", "dev/stdin"}, {"/proc/self/fd/1", "dev/stdout"},
-        {"/proc/self/fd/2", "dev/stderr"},
+        {"/proc/self/fd/2", "dev/stderr"}, {"/proc/kcore", "dev/core"},
     };
 
     if (make_dir("dev", err) < 0 ||

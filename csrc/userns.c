@@ -61,3 +61,17 @@ int userns_enter(const struct holder_config *cfg, struct sbx_report *err)
                     cfg->inner_gid, strerror(-rc));
     return 0;
 }
+
+/* No guest may create a user namespace of its own: inside one it would hold
+ * every capability again, and with it the kernel's whole namespaced attack
+ * surface (the same as bwrap --disable-userns). The limit belongs to the
+ * session's user namespace, where the holder has CAP_SYS_RESOURCE and guests,
+ * having dropped every capability, cannot raise it again. */
+int userns_forbid_nesting(struct sbx_report *err)
+{
+    int rc = write_proc_file("/proc/sys/user/max_user_namespaces", "0\n");
+
+    if (rc < 0)
+        return fail(err, "userns-limit", -rc, "cannot forbid nested user namespaces: %s", strerror(-rc));
+    return 0;
+}

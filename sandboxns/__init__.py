@@ -4,6 +4,7 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from ._backend import Backend, SessionHandle, open_backend
+from ._bwrap import BwrapDriver
 from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
@@ -14,6 +15,7 @@ from ._templates import Template
 
 __all__ = [
     "Backend",
+    "BwrapDriver",
     "DirEntry",
     "ErrorCode",
     "ExitStatus",

@@ -32,6 +32,7 @@ import trio
 
 from . import _ffi
 from ._errors import ErrorCode, SandboxError
+from ._lease import Lease
 
 # Where the workspace appears inside every sandbox; guest paths start here.
 WORKSPACE = "/workspace"
@@ -277,10 +278,20 @@ class HostWorkspaceIO:
 
     _files: WorkspaceFiles
     _closed: bool
+    _lease: Lease | None
 
-    async def _file_op(self, operation, *args):
+    def _check_usable(self) -> None:
+        """Refuse once the session is stopped, or once an operator has taken
+        its lease away (``sandboxns lease clear --force``)."""
         if self._closed:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped")
+        if self._lease is not None and not self._lease.is_current():
+            raise SandboxError(
+                ErrorCode.SANDBOX_STOPPED, "the session was taken away from this handle (its lease was cleared)"
+            )
+
+    async def _file_op(self, operation, *args):
+        self._check_usable()
         return await trio.to_thread.run_sync(operation, *args)
 
     async def read_bytes(self, path: str, max_bytes: int) -> bytes:

@@ -25,8 +25,10 @@ from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
+from ._session import MAX_COMMAND_BYTES
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
+assert _ffi.MAX_REQUEST_STRINGS >= MAX_COMMAND_BYTES, "the holder must take any command the session accepts"
 # Session setup is a few milliseconds; this only bounds a wedged holder.
 HOLDER_READY_TIMEOUT = 10.0
 # How long a stopping session's holder gets to tear down before SIGKILL.
@@ -156,6 +158,7 @@ class NativeDriver(HostWorkspaceIO):
         self.network = policy
         self.workspace = workspace_path.resolve()
         self.holder_pid = None
+        self._lease = lease
         self._closed = False
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
@@ -220,8 +223,7 @@ class NativeDriver(HostWorkspaceIO):
         cwd: str,
         stdin: int | None = None,
     ) -> NativeProcess:
-        if self._closed:
-            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped")
+        self._check_usable()
         try:
             request = _ffi.encode_request(cwd, argv, env)
         except ValueError as exc:

@@ -6,11 +6,12 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from ._bwrap import BwrapDriver
 from ._errors import ErrorCode, SandboxError
 from ._native import NativeDriver
 from ._session import Session, create_sandbox_session
 
-DRIVERS = {"native": NativeDriver}
+DRIVERS = {"native": NativeDriver, "bwrap": BwrapDriver}
 
 
 def driver_class(name: object):

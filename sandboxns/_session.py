@@ -27,6 +27,9 @@ from ._files import WORKSPACE, DirEntry
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API
+# A command's cwd, arguments and environment together (as NUL-terminated
+# strings); the native holder's request size, and far below ARG_MAX.
+MAX_COMMAND_BYTES = 128 * 1024
 DEFAULT_ENV: Mapping[str, str] = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKSPACE,
@@ -95,6 +98,14 @@ def check_command(
     argv = [executable, *(_check_string(arg, "each argument") for arg in args)]
     checked_env = dict(DEFAULT_ENV) if env is None else _check_env(env)
     guest_cwd = WORKSPACE if cwd is None else normalize_path(cwd)
+    # Every command learns its working directory the way a shell would tell
+    # it (bwrap sets PWD unconditionally; the native driver matches).
+    checked_env["PWD"] = guest_cwd
+    size = sum(len(os.fsencode(item)) + 1 for item in (guest_cwd, *argv, *(f"{k}={v}" for k, v in checked_env.items())))
+    if size > MAX_COMMAND_BYTES:
+        raise SandboxError(
+            ErrorCode.SANDBOX_LIMIT, f"arguments and environment take {size} bytes; the limit is {MAX_COMMAND_BYTES}"
+        )
     return argv, checked_env, guest_cwd, _check_timeout(timeout)
 
 

@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 
 import sandboxns
+from sandboxns._bwrap import find_bwrap
 
-DRIVERS = ["native"]
+DRIVERS = ["native", "bwrap"]
 
 
 @pytest.fixture(params=DRIVERS)
 def driver_name(request: pytest.FixtureRequest) -> str:
+    """Every driver must pass every behavioural test. Without bubblewrap the
+    bwrap runs are skipped, unless SANDBOXNS_REQUIRE_BWRAP=1 (as in CI)."""
+    if request.param == "bwrap" and find_bwrap() is None:
+        if os.environ.get("SANDBOXNS_REQUIRE_BWRAP") == "1":
+            pytest.fail("SANDBOXNS_REQUIRE_BWRAP=1 but bubblewrap is not installed")
+        pytest.skip("bubblewrap is not installed")
     return request.param
 
 

@@ -18,8 +18,8 @@ import trio
 import sandboxns
 
 
-async def main(state_dir: str, mode: str, argument: str) -> None:
-    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+async def main(driver: str, state_dir: str, mode: str, argument: str) -> None:
+    async with sandboxns.open_backend(driver=driver, state_directory=state_dir) as backend:
         template = await backend.prewarm(template="lease-test", files={"kept.txt": b"from the template"})
         try:
             if mode == "create":
@@ -44,4 +44,4 @@ async def main(state_dir: str, mode: str, argument: str) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, *sys.argv[1:4])
+    trio.run(main, *sys.argv[1:5])

@@ -160,7 +160,9 @@ async def test_state_descriptors(backend):
     assert "allow-all" not in stored  # policies are never stored
 
     key = template.template_key
-    await refused(ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(template=key, state={**state, "backend": "bwrap"}))
+    await refused(
+        ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(template=key, state={**state, "backend": "another-backend"})
+    )
     await refused(ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(template=other.template_key, state=state))
     await refused(ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(state=state))
     await refused(ErrorCode.SANDBOX_NOT_FOUND, backend.create(template=key, state={**state, "session": "0" * 32}))

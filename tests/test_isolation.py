@@ -55,13 +55,21 @@ async def test_runtime_dirs_are_read_only_and_cannot_be_remounted(session):
     assert not os.path.exists(f"/usr/{marker}")
 
 
-async def test_environment_is_exactly_what_was_passed(session):
-    result = await session.run("/usr/bin/env", env={"ONLY": "this"})
-    assert result.stdout.splitlines() == ["ONLY=this"]
+async def test_environment_is_exactly_what_was_passed_plus_pwd(session):
+    result = await session.run("/usr/bin/env", env={"ONLY": "this", "PWD": "/elsewhere"}, cwd="sub/..")
+    assert sorted(result.stdout.splitlines()) == ["ONLY=this", "PWD=/workspace"]
     result = await session.run("/usr/bin/env")
     assert sorted(result.stdout.splitlines()) == sorted(
-        f"{key}={value}" for key, value in sandboxns._session.DEFAULT_ENV.items()
+        f"{key}={value}" for key, value in {**sandboxns._session.DEFAULT_ENV, "PWD": "/workspace"}.items()
     )
+
+
+async def test_guest_cannot_make_namespaces_of_its_own(session):
+    result = await sh(
+        session, "unshare -U true && echo user; unshare -m true && echo mount; unshare -n true && echo net"
+    )
+    assert result.stdout == ""
+    assert result.stderr.count("unshare failed") == 3
 
 
 async def test_host_paths_are_invisible(session, workspace):
@@ -92,6 +100,7 @@ async def test_host_paths_are_invisible(session, workspace):
         "stdin",
         "stdout",
         "stderr",
+        "core",
     }
     home = os.path.expanduser("~")
     probe = await sh(session, f"ls -d '{home}' '{workspace}' /root /home /var /opt 2>/dev/null; echo done")

@@ -31,9 +31,9 @@ class Owner:
         self._buffer = b""
 
     @classmethod
-    async def start(cls, state_dir: Path, mode: str, argument: str) -> Owner:
+    async def start(cls, driver: str, state_dir: Path, mode: str, argument: str) -> Owner:
         process = await trio.lowlevel.open_process(
-            [sys.executable, OWNER, str(state_dir), mode, argument],
+            [sys.executable, OWNER, driver, str(state_dir), mode, argument],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -60,21 +60,21 @@ def sandboxns_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-async def test_two_processes_contend_and_a_crashed_owner_is_recovered(state_dir):
+async def test_two_processes_contend_and_a_crashed_owner_is_recovered(driver_name, state_dir):
     marker = sleep_marker()
-    first = await Owner.start(state_dir, "create", marker)
+    first = await Owner.start(driver_name, state_dir, "create", marker)
     state = await first.line()
     assert await first.line() == "running"
     assert host_processes_with(marker)
 
-    second = await Owner.start(state_dir, "resume", state)
+    second = await Owner.start(driver_name, state_dir, "resume", state)
     refusal = await second.line()
     assert refusal.startswith("SANDBOX_BUSY") and f"process {first.process.pid}" in refusal
     assert await second.finish() == 0
 
     first.process.kill()  # SIGKILL, mid-command
     await first.process.wait()
-    third = await Owner.start(state_dir, "resume", state)
+    third = await Owner.start(driver_name, state_dir, "resume", state)
     assert await third.line() == "resumed before_the_crash"
     assert host_processes_with(marker) == []  # nothing of the first owner's session is left
     assert await third.finish() == 0
@@ -82,9 +82,9 @@ async def test_two_processes_contend_and_a_crashed_owner_is_recovered(state_dir)
     assert listing.returncode == 0 and f"{json.loads(state)['session']}  free" in listing.stdout
 
 
-async def test_when_safety_cannot_be_proven_the_operator_decides(state_dir, monkeypatch):
+async def test_when_safety_cannot_be_proven_the_operator_decides(driver_name, state_dir, monkeypatch):
     monkeypatch.setattr(_lease, "TEARDOWN_WAIT", 0.2)
-    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
         template = await backend.prewarm(template="t", files={"a": b"1"})
         handle = await backend.create(template=template.template_key)
         state = handle.capture_state()
@@ -131,8 +131,8 @@ async def test_when_safety_cannot_be_proven_the_operator_decides(state_dir, monk
     assert sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), state["session"]).returncode != 0
 
 
-async def test_a_forced_clear_takes_the_session_from_a_live_owner(state_dir):
-    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+async def test_a_forced_clear_takes_the_session_from_a_live_owner(driver_name, state_dir):
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
         template = await backend.prewarm(template="t", files={})
         handle = await backend.create(template=template.template_key)
         session_id = handle.session_id
@@ -140,9 +140,10 @@ async def test_a_forced_clear_takes_the_session_from_a_live_owner(state_dir):
         assert (await handle.session.run("true")).exit_code == 0
         forced = sandboxns_cli("lease", "clear", "--state-dir", str(state_dir), session_id, "--force")
         assert forced.returncode == 0, forced.stderr
-        with pytest.raises(SandboxError) as error:
-            await handle.session.run("true")  # its sandbox was killed
-        assert error.value.code == ErrorCode.SANDBOX_STOPPED
+        for operation in (handle.session.run("true"), handle.session.write_file("late", b"x")):
+            with pytest.raises(SandboxError) as error:
+                await operation  # the session is no longer this handle's
+            assert error.value.code == ErrorCode.SANDBOX_STOPPED
         taker = await backend.create(template=template.template_key, state=handle.capture_state())
         with pytest.raises(SandboxError) as error:
             await handle.delete()

@@ -1,0 +1,444 @@
+"""The bubblewrap driver: the native driver's contract, one ``bwrap`` per
+command.
+
+For hosts that cannot build, or do not trust, our C helper. Each command is a
+bwrap invocation with the native driver's mount plan (see ``_plan``). What
+bwrap itself does not give, this module adds:
+
+* Setup failures are told apart from the command's own exit by bwrap's
+  ``--json-status-fd``: an ``exit-code`` record is written only once the
+  command was exec'd. Without it, everything on stderr is bwrap's own
+  message, and it becomes a SandboxError (``execvp`` ENOENT is
+  SANDBOX_NOT_FOUND as with the native driver; anything else in setup is
+  SANDBOX_UNAVAILABLE), never an exit code.
+* bwrap's outer process (the *monitor*) exits as soon as the command does,
+  while the rest of the sandbox (its pid 1, the *init*, and anything the
+  command left behind) is still being killed through ``--die-with-parent``.
+  So a command counts as finished only once the init's pidfd says it is
+  gone; pid 1 of a pid namespace exits only after every other process in it.
+* bwrap does not forward signals. A signal for the command goes to the init's
+  first child (the command) directly; SIGKILL goes to the init, which takes
+  the whole pid namespace with it.
+* The arguments travel in a memfd (``--args``), so the caller's environment
+  never shows in a host process list.
+
+bwrap reports a command killed by signal N as exit status 128+N, so this
+driver reports exit statuses 129-192 as that signal; a command that itself
+exits with such a status is indistinguishable from one killed by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import trio
+
+from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
+from ._errors import ErrorCode, SandboxError
+from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
+from ._lease import Lease, ProcessId
+
+RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
+HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
+# bwrap's messages about a command it could not start are at most a few lines.
+STDERR_KEPT = 4096
+# How long a failed start waits for bwrap's message to be read.
+MESSAGE_WAIT = 2.0
+MAX_SIGNAL = 64
+
+
+def find_bwrap() -> str | None:
+    return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
+
+
+_feature_cache: dict[str, bool] = {}
+
+
+def _supports(bwrap: str, option: str) -> bool:
+    """Whether this bwrap knows ``option`` (``--disable-userns`` came in 0.8)."""
+    key = f"{bwrap} {option}"
+    if key not in _feature_cache:
+        result = subprocess.run([bwrap, "--help"], check=False, capture_output=True, text=True, timeout=10)
+        _feature_cache[key] = option in result.stdout
+    return _feature_cache[key]
+
+
+def _etc_files(uid: int, gid: int, share_network: bool) -> dict[str, str]:
+    """The synthesized /etc, the same the native holder writes."""
+    if uid == 0:
+        passwd = f"root:x:0:{gid}:root:/workspace:/bin/sh\n"
+    else:
+        passwd = f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{gid}:sandbox:/workspace:/bin/sh\n"
+    group = "root:x:0:\n" if gid == 0 else f"root:x:0:\nsandbox:x:{gid}:\n"
+    files = {
+        "passwd": passwd,
+        "group": group,
+        "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost\n",
+        "hostname": "sandbox",
+        "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+    }
+    if share_network:
+        with contextlib.suppress(OSError):
+            files["resolv.conf"] = Path("/etc/resolv.conf").read_text()
+    return files
+
+
+def _plan(bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_network: bool) -> list[str]:
+    """The per-session part of every command's bwrap arguments."""
+    plan = ["--unshare-all", "--unshare-user"]
+    if share_network:
+        plan.append("--share-net")
+    plan += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid)]
+    if _supports(bwrap, "--disable-userns"):
+        plan.append("--disable-userns")
+    plan += ["--hostname", "sandbox", "--clearenv"]
+    for name in RUNTIME_DIRS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            plan += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            plan += ["--ro-bind", path, path]
+    for path in HOST_ETC:
+        plan += ["--ro-bind-try", path, path]
+    for name in sorted(os.listdir(etc_dir)):
+        plan += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
+    plan += [
+        "--bind", str(workspace), WORKSPACE,
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--tmpfs", "/dev/shm",
+        "--tmpfs", "/tmp",
+        "--dir", "/run",
+        "--remount-ro", "/",
+    ]  # fmt: skip
+    return plan
+
+
+def _error_from_message(message: str) -> SandboxError:
+    """Turn bwrap's complaint about a command it could not start into the
+    error the native driver gives for the same failure."""
+    text = message.strip() or "bwrap exited without starting the command"
+    detail = f"bwrap could not start the command: {text}"
+    if "execvp" in text or "chdir" in text:
+        if text.endswith((os.strerror(errno.ENOENT), os.strerror(errno.ENOTDIR))):
+            return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, detail)
+        if text.endswith((os.strerror(errno.EACCES), os.strerror(errno.ENOEXEC))):
+            return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, detail)
+    return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, detail)
+
+
+def _status_from_exit_code(code: int) -> ExitStatus:
+    if 128 < code <= 128 + MAX_SIGNAL:
+        return ExitStatus(exit_code=None, signal=code - 128)
+    return ExitStatus(exit_code=code, signal=None)
+
+
+class _HeadKeepingStream(trio.abc.ReceiveStream):
+    """Passes a stream through, keeping its first bytes (where bwrap's own
+    message is when it could not start the command) and noting EOF."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self.head = bytearray()
+        self.finished = trio.Event()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = await self._stream.receive_some(max_bytes)
+        if not data:
+            self.finished.set()
+        elif len(self.head) < STDERR_KEPT:
+            self.head += data[: STDERR_KEPT - len(self.head)]
+        return data
+
+    async def aclose(self) -> None:
+        self.finished.set()
+        await self._stream.aclose()
+
+
+class BwrapProcess:
+    """One command: a bwrap monitor, its init, and the command under it."""
+
+    def __init__(self, driver: BwrapDriver, monitor: trio.Process, status: int, stdout: int, stderr: int) -> None:
+        self._driver = driver
+        self._monitor = monitor
+        self._status = trio.lowlevel.FdStream(status)
+        self._status_lock = trio.Lock()
+        self._status_text = b""
+        self._status_done = False
+        self.stdout = trio.lowlevel.FdStream(stdout)
+        self.stderr = _HeadKeepingStream(trio.lowlevel.FdStream(stderr))
+        self._init: ProcessId | None = None
+        self._init_pidfd: int | None = None
+        self._command: ProcessId | None = None
+        self._exit_code: int | None = None
+        self._gone_lock = trio.Lock()
+        self._gone = False
+        self._killed = False
+        self._stopped = False
+        self._result: ExitStatus | None = None
+        self.tracked: list[ProcessId | None] = [ProcessId.of(monitor.pid)]
+
+    async def _read_status(self, until_init: bool = False) -> None:
+        """Read bwrap's JSON status records: all of them, or until the init's
+        pid is known."""
+        async with self._status_lock:
+            while not self._status_done and not (until_init and self._init is not None):
+                chunk = await self._status.receive_some(4096)
+                if not chunk:
+                    self._status_done = True
+                self._status_text += chunk
+                while b"\n" in self._status_text:
+                    line, self._status_text = self._status_text.split(b"\n", 1)
+                    self._record(json.loads(line))
+
+    def _record(self, record: dict) -> None:
+        if "child-pid" in record:
+            pid = record["child-pid"]
+            # Opened while the monitor has not yet reaped it, or it is gone.
+            with contextlib.suppress(ProcessLookupError):
+                self._init_pidfd = os.pidfd_open(pid)
+            self._init = ProcessId.of(pid)
+            self.tracked.append(self._init)
+            self._driver._track()
+        elif "exit-code" in record:
+            self._exit_code = record["exit-code"]
+
+    def _command_pid(self) -> int | None:
+        """The command: the init's first child, once it has forked it."""
+        if self._command is None and self._init is not None and self._init.alive():
+            pid = self._init.pid
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/task/{pid}/children") as f:
+                self._command = ProcessId.of(int(f.read().split()[0]))
+        if self._command is None or not self._command.alive():
+            return None
+        return self._command.pid
+
+    async def _wait_gone(self) -> None:
+        """Return once the monitor, the init and so everything under them
+        are gone. Safe to call from several tasks, and again after a
+        cancellation."""
+        async with self._gone_lock:
+            if self._gone:
+                return
+            await self._monitor.wait()
+            await self._read_status()
+            if self._init_pidfd is not None:
+                await trio.lowlevel.wait_readable(self._init_pidfd)
+            self._gone = True
+
+    async def wait(self) -> ExitStatus:
+        if self._result is not None:
+            return self._result
+        await self._wait_gone()
+        if self._stopped:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
+        if self._exit_code is not None:
+            self._result = _status_from_exit_code(self._exit_code)
+        elif self._killed:
+            self._result = ExitStatus(exit_code=None, signal=signal.SIGKILL)
+        else:
+            # Never exec'd: all of stderr is bwrap's own message.
+            with trio.move_on_after(MESSAGE_WAIT):
+                await self.stderr.finished.wait()
+            raise _error_from_message(self.stderr.head.decode("utf-8", "replace"))
+        return self._result
+
+    async def send_signal(self, signum: int) -> None:
+        if self._gone or self._monitor.returncode is not None:
+            return
+        if signum == signal.SIGKILL:
+            self._killed = True
+            # The init is pid 1 of the command's pid namespace: killing it
+            # kills everything in there. The monitor follows.
+            if self._init_pidfd is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self._monitor.kill()
+            return
+        await self._read_status(until_init=True)
+        pid = self._command_pid()
+        if pid is None:  # not started yet, or already gone
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            pidfd = os.pidfd_open(pid)
+            try:
+                signal.pidfd_send_signal(pidfd, signum)
+            finally:
+                os.close(pidfd)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            if not self._gone:
+                await self.send_signal(signal.SIGKILL)
+                await self._wait_gone()
+            if self._init_pidfd is not None:
+                os.close(self._init_pidfd)
+                self._init_pidfd = None
+            await self._status.aclose()
+            await self.stdout.aclose()
+            await self.stderr.aclose()
+            self._driver._forget(self)
+
+
+class BwrapDriver(HostWorkspaceIO):
+    """A sandbox session made of bwrap invocations, one per command."""
+
+    name = "bwrap"
+    supports_overlay = False
+
+    def __init__(self) -> None:
+        raise TypeError("use 'await BwrapDriver.start(...)'")
+
+    @classmethod
+    async def start(
+        cls,
+        workspace: str | os.PathLike[str],
+        *,
+        network: object = "deny-all",
+        uid: int = 1000,
+        gid: int = 1000,
+        overlay: tuple[Path, Path] | None = None,
+        lease: Lease | None = None,
+    ) -> BwrapDriver:
+        policy = check_network_policy(network)
+        for label, value in (("uid", uid), ("gid", gid)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
+        if overlay is not None:
+            raise OverlayUnavailable("the bwrap driver does not mount template overlays")
+        workspace_path = Path(workspace)
+        if not workspace_path.is_dir():
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
+        bwrap = find_bwrap()
+        if bwrap is None:
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE,
+                "the bwrap driver needs bubblewrap, which is not installed (apt-get install bubblewrap)",
+            )
+        self = object.__new__(cls)
+        self.network = policy
+        self.workspace = workspace_path.resolve()
+        self._bwrap = bwrap
+        self._lease = lease
+        self._processes: set[BwrapProcess] = set()
+        self._closed = False
+        self._stopped = trio.Event()
+        self._etc = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-etc-"))
+        try:
+            for name, content in _etc_files(uid, gid, policy == "allow-all").items():
+                (self._etc / name).write_text(content)
+                (self._etc / name).chmod(0o644)
+            self._etc.chmod(0o755)
+            self._plan = _plan(bwrap, self.workspace, self._etc, uid, gid, policy == "allow-all")
+            self._files = WorkspaceFiles.of_directory(self.workspace)
+        except BaseException:
+            shutil.rmtree(self._etc, ignore_errors=True)
+            raise
+        # Fail now, like the native driver, if bwrap cannot make a sandbox here.
+        try:
+            await self._probe()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _probe(self) -> None:
+        process = await self.spawn(["true"], env={"PATH": "/usr/bin:/bin"}, cwd=WORKSPACE)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain, process.stdout)
+                nursery.start_soon(_drain, process.stderr)
+                try:
+                    status = await process.wait()
+                except SandboxError as exc:
+                    raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
+        finally:
+            await process.aclose()
+        if status.exit_code != 0:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed: {status}")
+
+    def _track(self) -> None:
+        # Once closed, nothing runs any more and the lease is its owner's again.
+        if self._lease is not None and not self._closed:
+            self._lease.track(p for process in self._processes for p in process.tracked)
+
+    def _forget(self, process: BwrapProcess) -> None:
+        if process in self._processes:
+            self._processes.discard(process)
+            self._track()
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        stdin: int | None = None,
+    ) -> BwrapProcess:
+        self._check_usable()
+        arguments = [*self._plan, "--chdir", cwd]
+        for key, value in env.items():
+            arguments += ["--setenv", key, value]
+        with contextlib.ExitStack() as cleanup:
+            args_fd = os.memfd_create("sandboxns-bwrap-args", os.MFD_CLOEXEC)
+            cleanup.callback(os.close, args_fd)
+            os.write(args_fd, b"".join(os.fsencode(arg) + b"\0" for arg in arguments))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            status_read, status_write = os.pipe2(os.O_CLOEXEC)
+            stdout_read, stdout_write = os.pipe2(os.O_CLOEXEC)
+            stderr_read, stderr_write = os.pipe2(os.O_CLOEXEC)
+            for fd in (status_write, stdout_write, stderr_write):
+                cleanup.callback(os.close, fd)
+            on_failure = cleanup.enter_context(contextlib.ExitStack())
+            for fd in (status_read, stdout_read, stderr_read):
+                on_failure.callback(os.close, fd)
+            try:
+                monitor = await trio.lowlevel.open_process(
+                    [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--", *argv],
+                    stdin=subprocess.DEVNULL if stdin is None else stdin,
+                    stdout=stdout_write,
+                    stderr=stderr_write,
+                    pass_fds=(args_fd, status_write),
+                    env={},
+                )
+            except OSError as exc:
+                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot run {self._bwrap}: {exc}") from None
+            on_failure.pop_all()
+        process = BwrapProcess(self, monitor, status_read, stdout_read, stderr_read)
+        self._processes.add(process)
+        self._track()
+        return process
+
+    async def aclose(self) -> None:
+        """Kill every running command; returns once all are gone."""
+        if self._closed:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            running = list(self._processes)
+            for process in running:
+                process._stopped = True
+                await process.send_signal(signal.SIGKILL)
+            # Their owners close them; here only wait until they are gone.
+            for process in running:
+                await process._wait_gone()
+            self._files.close()
+            shutil.rmtree(self._etc, ignore_errors=True)
+            self._stopped.set()
+
+
+async def _drain(stream: trio.abc.ReceiveStream) -> None:
+    while await stream.receive_some(65536):
+        pass
