@@ -12,6 +12,14 @@
 
 #include "sbx_ffi.h"
 
+/* Move fd `from` out of the way of the fixed fds 0-4 the holder expects (its
+ * number may be any of them if the host had some closed). The copy is
+ * closed by the close_range before exec. */
+static int lift_fd(int from)
+{
+    return fcntl(from, F_DUPFD, SBX_HOLDER_LEASE_FD + 1);
+}
+
 /* The holder's launcher gets SIGTERM when we die (it then kills the session
  * and waits for it to be gone; see holder.c). lease_fd, unless -1, becomes
  * its fd SBX_HOLDER_LEASE_FD.
@@ -21,15 +29,8 @@
  * session (the trio thread), never from a worker pool.
  *
  * vfork shares our memory until execve, so the child reports a failure by
- * writing child_errno, which the parent reads once vfork returns. */
-/* Make fd `from` available, without close-on-exec, as fd `to`. */
-static int place_fd(int from, int to)
-{
-    if (from == to)
-        return fcntl(from, F_SETFD, 0);
-    return dup2(from, to);
-}
-
+ * writing child_errno, which the parent reads once vfork returns, and it
+ * must not change any variable the parent uses afterwards. */
 int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd)
 {
     static char *const empty_env[] = {NULL};
@@ -48,13 +49,14 @@ int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int l
             errno = ESRCH;
             goto child_fail;
         }
-        if (dup2(devnull, 0) < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0)
+        /* New variables: the parent's own still hold its fd numbers. */
+        int control = lift_fd(control_fd), lease = lease_fd >= 0 ? lift_fd(lease_fd) : -1;
+        int null = lift_fd(devnull);
+
+        if (control < 0 || (lease_fd >= 0 && lease < 0) || null < 0)
             goto child_fail;
-        /* Python's fds are far above 4 (0-2 are its stdio), so neither
-         * dup2 overwrites the other's source. */
-        if (place_fd(control_fd, SBX_HOLDER_CONTROL_FD) < 0)
-            goto child_fail;
-        if (lease_fd >= 0 && place_fd(lease_fd, SBX_HOLDER_LEASE_FD) < 0)
+        if (dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0 ||
+            dup2(control, SBX_HOLDER_CONTROL_FD) < 0 || (lease >= 0 && dup2(lease, SBX_HOLDER_LEASE_FD) < 0))
             goto child_fail;
         syscall(SYS_close_range, lease_fd >= 0 ? SBX_HOLDER_LEASE_FD + 1 : SBX_HOLDER_CONTROL_FD + 1, ~0U, 0);
         execve(path, argv, empty_env);

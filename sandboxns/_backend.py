@@ -82,8 +82,9 @@ def _remove_tree(path: Path) -> None:
         if not isinstance(exc_info[1], PermissionError):
             raise exc_info[1]
         for target in (os.path.dirname(failed_path), failed_path):
-            with contextlib.suppress(OSError):
-                os.chmod(target, 0o700, follow_symlinks=False)
+            if not os.path.islink(target):  # a guest's symlink may point anywhere
+                with contextlib.suppress(OSError):
+                    os.chmod(target, 0o700)
         if os.path.isdir(failed_path) and not os.path.islink(failed_path):
             shutil.rmtree(failed_path, onerror=unlock_and_retry)
         else:
@@ -105,6 +106,7 @@ class SessionHandle:
         self._driver = None
         self._lease: Lease | None = None
         self._deleted = False
+        self._lifecycle = trio.Lock()
         self.session: Session
 
     def capture_state(self) -> dict:
@@ -124,58 +126,68 @@ class SessionHandle:
         return self._driver is not None
 
     async def _close(self) -> None:
-        """Kill everything in the session; keeps the lease."""
-        driver, self._driver = self._driver, None
-        if driver is not None:
+        """Kill everything in the session; keeps the lease. The caller holds
+        the lifecycle lock, so concurrent stops wait for this one."""
+        if self._driver is not None:
             self._backend._live.discard(self)
-            await driver.aclose()
+            await self._driver.aclose()
+            self._driver = None
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     def _taken_over(self) -> bool:
-        return self._dir.exists() and is_locked(self._dir)
+        try:
+            return is_locked(self._dir)
+        except SandboxError:  # the session no longer exists
+            return False
 
     async def stop(self) -> None:
         """Kill the session's commands and release it; its files stay.
         Idempotent, but SANDBOX_BUSY once another handle has taken the
         session over."""
-        if self.live:
-            await self.shutdown()
-        elif not self._deleted and self._taken_over():
-            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {self.session_id} now belongs to another handle")
+        with trio.CancelScope(shield=True):
+            async with self._lifecycle:
+                if self.live:
+                    await self._close()
+                    self._release()
+                elif not self._deleted and self._lease is None and self._taken_over():
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_BUSY, f"session {self.session_id} now belongs to another handle"
+                    )
 
     async def shutdown(self) -> None:
         """Like :meth:`stop`, but never refuses: for ``finally`` blocks. It
         only ever affects what this handle still holds."""
         with trio.CancelScope(shield=True):
-            await self._close()
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
+            async with self._lifecycle:
+                await self._close()
+                self._release()
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
         template, nor a host directory it was bound to). Idempotent;
         SANDBOX_BUSY if another handle holds the session."""
-        if self._deleted:
-            return
         with trio.CancelScope(shield=True):
-            await self._close()
-            lease = self._lease
-            if lease is None or not lease.is_current():
-                if lease is not None:
-                    lease.release()
-                    self._lease = None
-                if not self._dir.exists():
-                    self._deleted = True
+            async with self._lifecycle:
+                if self._deleted:
                     return
-                lease = await Lease.acquire(self._dir, self._backend.state_directory)
-            try:
-                trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
-                os.rename(self._dir, trash)
-                await trio.to_thread.run_sync(_remove_tree, trash)
-            finally:
-                lease.release()
-                self._lease = None
-            self._deleted = True
+                await self._close()
+                if self._lease is None or not self._lease.is_current():
+                    self._release()
+                    if not self._dir.exists():
+                        self._deleted = True
+                        return
+                    self._lease = await Lease.acquire(self._dir, self._backend.state_directory)
+                try:
+                    trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
+                    os.rename(self._dir, trash)
+                    await trio.to_thread.run_sync(_remove_tree, trash)
+                finally:
+                    self._release()
+                self._deleted = True
 
 
 class Backend:

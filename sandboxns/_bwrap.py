@@ -434,7 +434,7 @@ class BwrapDriver(HostWorkspaceIO):
             # Their owners close them; here only wait until they are gone.
             for process in running:
                 await process._wait_gone()
-            self._files.close()
+            await self._close_files()
             shutil.rmtree(self._etc, ignore_errors=True)
             self._stopped.set()
 

@@ -290,9 +290,27 @@ class HostWorkspaceIO:
                 ErrorCode.SANDBOX_STOPPED, "the session was taken away from this handle (its lease was cleared)"
             )
 
+    # Operations running in worker threads right now; the workspace fd is
+    # closed only when none is (a worker cannot be interrupted).
+    _file_ops = 0
+    _file_ops_done: trio.Event | None = None
+
     async def _file_op(self, operation, *args):
         self._check_usable()
-        return await trio.to_thread.run_sync(operation, *args)
+        self._file_ops += 1
+        try:
+            return await trio.to_thread.run_sync(operation, *args)
+        finally:
+            self._file_ops -= 1
+            if self._file_ops == 0 and self._file_ops_done is not None:
+                self._file_ops_done.set()
+
+    async def _close_files(self) -> None:
+        """Close the workspace handle once no file operation uses it."""
+        while self._file_ops:
+            self._file_ops_done = trio.Event()
+            await self._file_ops_done.wait()
+        self._files.close()
 
     async def read_bytes(self, path: str, max_bytes: int) -> bytes:
         return await self._file_op(self._files.read_bytes, path, max_bytes)

@@ -127,7 +127,10 @@ def _try_lock(path: Path) -> int | None:
     fd is checked to still be the file at ``path`` (an operator may have
     replaced it)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the session directory itself is gone
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"session {path.parent.name} does not exist") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -243,12 +246,13 @@ class Lease:
         return (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino)
 
     def release(self) -> None:
-        """Unlock. A launcher that shares the lock keeps it until its session
-        is gone; by the time callers release, it has exited."""
+        """Unlock. Recorded processes that are somehow still alive (a guest
+        stuck in uninterruptible sleep outlasting a stop) stay in the
+        record, so the next attach waits for them or refuses."""
         if self.fd >= 0:
             if self.is_current():
                 with contextlib.suppress(OSError):
-                    os.ftruncate(self.fd, 0)
+                    self.record(LeaseRecord(None, tuple(_read_record(self.fd).remaining())))
             os.close(self.fd)
             self.fd = -1
 
@@ -328,12 +332,25 @@ async def clear_lease(session_dir: Path, force: bool) -> str:
     for process in remaining:
         _kill(process)
     await wait_all_gone(remaining, TEARDOWN_WAIT)
-    # A fresh file: whoever still locks the old one no longer holds the lease.
+    # Replace the file while holding its lock where it is free, so nobody
+    # can lock the old file in between and believe they hold the lease.
+    # (Only --force gets here with the old file locked by someone else:
+    # then whoever holds it loses the lease, which is the point.)
     path = session_dir / LEASE_NAME
-    fresh = session_dir / f".{LEASE_NAME}-{secrets.token_hex(6)}"
-    fresh.write_bytes(b"")
-    fresh.chmod(0o600)
-    os.rename(fresh, path)
+    old = _try_lock(path)
+    try:
+        if old is not None and not force and _read_record(old).remaining():
+            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {status.session_id} has processes again")
+        fresh = session_dir / f".{LEASE_NAME}-{secrets.token_hex(6)}"
+        fresh.write_bytes(b"")
+        fresh.chmod(0o600)
+        owner_of_session = session_dir.stat()
+        with contextlib.suppress(PermissionError):  # root clearing a user's session
+            os.chown(fresh, owner_of_session.st_uid, owner_of_session.st_gid)
+        os.rename(fresh, path)
+    finally:
+        if old is not None:
+            os.close(old)
     if status.locked or remaining:
         return f"session {status.session_id}: killed {len(remaining)} process(es) and replaced the lease"
     return f"session {status.session_id}: the lease was already free; record reset"

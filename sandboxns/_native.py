@@ -179,9 +179,10 @@ class NativeDriver(HostWorkspaceIO):
             cleanup.callback(self._reap_holder_now)
             self._control = trio.socket.from_stdlib_socket(host_end)
             workspace_fd = await self._await_ready()
+            cleanup.callback(os.close, workspace_fd)
+            if lease is not None:
+                lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
             cleanup.pop_all()
-        if lease is not None:
-            lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._files = WorkspaceFiles(workspace_fd)
         return self
@@ -193,27 +194,38 @@ class NativeDriver(HostWorkspaceIO):
         os.close(self._pidfd)
 
     async def _await_ready(self) -> int:
-        """Wait for READY; returns the workspace fd it carries."""
-        with trio.move_on_after(HOLDER_READY_TIMEOUT):
-            while True:
-                data, ancillary, _, _ = await self._control.recvmsg(_ffi.REPORT_SIZE, socket.CMSG_SPACE(4))
-                if not data:
-                    raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
-                report = _ffi.decode_report(data)
-                if report.kind == _ffi.REPORT_STARTED:
-                    self.holder_pid = report.pid
-                elif report.kind == _ffi.REPORT_READY:
+        """Wait for READY and STARTED (in either order: the launcher and the
+        holder send them independently); returns the workspace fd READY
+        carries."""
+        workspace_fd = None
+        try:
+            with trio.move_on_after(HOLDER_READY_TIMEOUT):
+                while workspace_fd is None or self.holder_pid is None:
+                    data, ancillary, _, _ = await self._control.recvmsg(
+                        _ffi.REPORT_SIZE, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+                    )
                     fds = _received_fds(ancillary)
-                    if len(fds) != 1:
-                        for fd in fds:
-                            os.close(fd)
+                    if not data:
+                        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
+                    report = _ffi.decode_report(data)
+                    if report.kind == _ffi.REPORT_STARTED:
+                        self.holder_pid = report.pid
+                    elif report.kind == _ffi.REPORT_READY and len(fds) == 1:
+                        workspace_fd = fds.pop()
+                    elif report.kind == _ffi.REPORT_READY:
                         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the holder sent no workspace handle")
-                    return fds[0]
-                elif report.step == "overlay":
-                    raise OverlayUnavailable(f"cannot mount the workspace overlay: {report.message}")
-                else:
-                    raise _error_from_report(report, "setting up the sandbox")
-        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder did not become ready")
+                    elif report.step == "overlay":
+                        raise OverlayUnavailable(f"cannot mount the workspace overlay: {report.message}")
+                    else:
+                        raise _error_from_report(report, "setting up the sandbox")
+                    for fd in fds:  # anything unexpected
+                        os.close(fd)
+                return workspace_fd
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder did not become ready")
+        except BaseException:
+            if workspace_fd is not None:
+                os.close(workspace_fd)
+            raise
 
     async def spawn(
         self,
@@ -266,7 +278,7 @@ class NativeDriver(HostWorkspaceIO):
         with trio.CancelScope(shield=True):
             self._control.close()
             os.close(self._devnull)
-            self._files.close()
+            await self._close_files()
             with trio.move_on_after(HOLDER_EXIT_GRACE):
                 await trio.lowlevel.wait_readable(self._pidfd)
             self._reap_holder_now()

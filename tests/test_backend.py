@@ -261,3 +261,34 @@ async def test_bad_backend_options(options, state_dir):
         async with sandboxns.open_backend(**{"state_directory": state_dir, **options}):
             pass
     assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+
+
+async def test_concurrent_stops_and_deletes_of_one_handle(backend):
+    template = await backend.prewarm(template="t", files={"a": b"1"})
+    handle = await backend.create(template=template.template_key)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(handle.stop)
+        nursery.start_soon(handle.shutdown)
+    resumed = await backend.create(template=template.template_key, state=handle.capture_state())
+    await resumed.stop()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(resumed.delete)
+        nursery.start_soon(resumed.stop)
+        nursery.start_soon(resumed.delete)
+    assert os.listdir(backend.state_directory / "sessions") == []
+
+
+async def test_delete_removes_whatever_the_guest_left(backend):
+    """Read-only directories, symlinks inside them, a mode-000 directory:
+    a guest's mess never makes delete fail (nor follows a symlink)."""
+    template = await backend.prewarm(template="t", files={"sub/a": b"1"})
+    handle = await backend.create(template=template.template_key)
+    outside = backend.state_directory.parent / "outside"
+    outside.write_text("keep")
+    await handle.session.run(
+        "sh", ["-c", f"mkdir -p ro locked; ln -s {outside} ro/link; chmod 555 ro sub; chmod 000 locked; rm sub/a"]
+    )
+    await handle.delete()
+    assert os.listdir(backend.state_directory / "sessions") == []
+    assert outside.read_text() == "keep" and outside.stat().st_mode & 0o777 != 0o700
