@@ -5,7 +5,10 @@ alike), the wall time of running /usr/bin/true:
 
   bare       trio.run_process(["/usr/bin/true"]) -- no sandbox at all
   native     session.run("/usr/bin/true") on a warm native session
-  bwrap_cli  trio.run_process(["bwrap", "--unshare-all", ..., "/usr/bin/true"])
+  bwrap      session.run("/usr/bin/true") through the bwrap driver (the same
+             contract: one bwrap per command plus its bookkeeping)
+  bwrap_cli  trio.run_process(["bwrap", "--unshare-all", ..., "/usr/bin/true"]),
+             the bare bwrap invocation a hand-rolled wrapper would make
 
 Usage: python benchmarks/spawn_latency.py [-n N] [--json FILE]
 """
@@ -13,6 +16,7 @@ Usage: python benchmarks/spawn_latency.py [-n N] [--json FILE]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -61,31 +65,38 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 
 async def measure(n: int) -> dict[str, dict[str, float]]:
     bwrap = bwrap_argv()
-    with tempfile.TemporaryDirectory(prefix="sandboxns-bench-") as workspace:
-        async with sandboxns.open_sandbox(workspace) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {}
+        for driver in ("native", "bwrap") if bwrap is not None else ("native",):
+            workspace = stack.enter_context(tempfile.TemporaryDirectory(prefix="sandboxns-bench-"))
+            sessions[driver] = await stack.enter_async_context(sandboxns.open_sandbox(workspace, driver=driver))
 
-            async def native() -> None:
+        def through(session: sandboxns.Session) -> Callable[[], Awaitable[object]]:
+            async def run() -> None:
                 result = await session.run(TRUE)
                 assert result.exit_code == 0, result
 
-            async def bare() -> None:
-                await trio.run_process([TRUE])
+            return run
 
-            async def bwrap_cli() -> None:
-                await trio.run_process(bwrap)
+        async def bare() -> None:
+            await trio.run_process([TRUE])
 
-            variants: dict[str, Callable[[], Awaitable[object]]] = {"bare": bare, "native": native}
-            if bwrap is not None:
-                variants["bwrap_cli"] = bwrap_cli
-            samples: dict[str, list[float]] = {name: [] for name in variants}
-            for _ in range(max(5, n // 20)):  # warm-up
-                for run in variants.values():
-                    await run()
-            for _ in range(n):
-                for name, run in variants.items():
-                    started = time.perf_counter()
-                    await run()
-                    samples[name].append(time.perf_counter() - started)
+        async def bwrap_cli() -> None:
+            await trio.run_process(bwrap)
+
+        variants: dict[str, Callable[[], Awaitable[object]]] = {"bare": bare, "native": through(sessions["native"])}
+        if bwrap is not None:
+            variants["bwrap"] = through(sessions["bwrap"])
+            variants["bwrap_cli"] = bwrap_cli
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(max(5, n // 20)):  # warm-up
+            for run in variants.values():
+                await run()
+        for _ in range(n):
+            for name, run in variants.items():
+                started = time.perf_counter()
+                await run()
+                samples[name].append(time.perf_counter() - started)
     return {name: percentiles(values) for name, values in samples.items()}
 
 
@@ -100,9 +111,10 @@ def main() -> int:
     for name, stats in results.items():
         ratio = stats["p50_ms"] / bare
         print(f"{name:<10} {stats['p50_ms']:>8.3f} {stats['p90_ms']:>8.3f} {stats['p99_ms']:>8.3f} {ratio:>8.2f}x")
-    if "bwrap_cli" in results:
-        speedup = results["bwrap_cli"]["p50_ms"] / results["native"]["p50_ms"]
-        print(f"native is {speedup:.2f}x faster than bwrap_cli at p50")
+    for other in ("bwrap", "bwrap_cli"):
+        if other in results:
+            speedup = results[other]["p50_ms"] / results["native"]["p50_ms"]
+            print(f"native is {speedup:.2f}x faster than {other} at p50")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

@@ -46,6 +46,7 @@ from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
+from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
@@ -54,6 +55,8 @@ STDERR_KEPT = 4096
 # How long a failed start waits for bwrap's message to be read.
 MESSAGE_WAIT = 2.0
 MAX_SIGNAL = 64
+# Starting a session runs one command to see that bwrap works here.
+PROBE_TIMEOUT = 10.0
 
 
 def find_bwrap() -> str | None:
@@ -353,19 +356,14 @@ class BwrapDriver(HostWorkspaceIO):
         return self
 
     async def _probe(self) -> None:
-        process = await self.spawn(["true"], env={"PATH": "/usr/bin:/bin"}, cwd=WORKSPACE)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_drain, process.stdout)
-                nursery.start_soon(_drain, process.stderr)
-                try:
-                    status = await process.wait()
-                except SandboxError as exc:
-                    raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
-        finally:
-            await process.aclose()
-        if status.exit_code != 0:
-            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed: {status}")
+            result = await Session(self).run("true", env={"PATH": "/usr/bin:/bin"}, timeout=PROBE_TIMEOUT)
+        except SandboxError as exc:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
+        if result.exit_code != 0:
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({result}): {result.stderr.strip()}"
+            )
 
     def _track(self) -> None:
         # Once closed, nothing runs any more and the lease is its owner's again.
@@ -437,8 +435,3 @@ class BwrapDriver(HostWorkspaceIO):
             await self._close_files()
             shutil.rmtree(self._etc, ignore_errors=True)
             self._stopped.set()
-
-
-async def _drain(stream: trio.abc.ReceiveStream) -> None:
-    while await stream.receive_some(65536):
-        pass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import trio
 
+from ._bwrap import find_bwrap
 from ._errors import SandboxError
 from ._native import HOLDER_PATH
 from ._open import open_sandbox
@@ -207,11 +207,11 @@ def _check_holder() -> tuple[bool, str]:
 
 
 def _check_bwrap() -> tuple[bool, str]:
-    # Only the benchmarks use bubblewrap, as the baseline the native driver is
-    # measured against.
-    bwrap = shutil.which("bwrap") or ("/usr/bin/bwrap" if os.path.exists("/usr/bin/bwrap") else None)
+    # Only the bwrap driver (--driver bwrap) needs bubblewrap; the benchmarks
+    # also measure against it.
+    bwrap = find_bwrap()
     if bwrap is None:
-        return False, "bwrap not found (only the benchmarks use it); run 'apt-get install -y bubblewrap'"
+        return False, "bwrap not found (only the bwrap driver needs it); run 'apt-get install -y bubblewrap'"
     result = subprocess.run([bwrap, "--version"], check=False, capture_output=True, text=True, timeout=5)
     if result.returncode != 0:
         return False, f"{bwrap} --version failed: {result.stderr.strip() or result.returncode}"

@@ -25,9 +25,11 @@ def sandboxns(*args: str, cwd, env=None, input=None) -> subprocess.CompletedProc
     )
 
 
-def test_run_streams_output_and_returns_the_exit_code(tmp_path):
+def test_run_streams_output_and_returns_the_exit_code(driver_name, tmp_path):
     done = sandboxns(
         "run",
+        "--driver",
+        driver_name,
         "--",
         "/bin/sh",
         "-c",
@@ -38,10 +40,12 @@ def test_run_streams_output_and_returns_the_exit_code(tmp_path):
     assert (done.returncode, done.stdout, done.stderr) == (7, b"out\n", b"err\n")
 
 
-def test_run_over_a_workspace_with_env_and_stdin(tmp_path):
+def test_run_over_a_workspace_with_env_and_stdin(driver_name, tmp_path):
     (tmp_path / "ws").mkdir()
     done = sandboxns(
         "run",
+        "--driver",
+        driver_name,
         "--workspace",
         str(tmp_path / "ws"),
         "--env",
@@ -65,14 +69,23 @@ def test_default_workspace_is_new_empty_and_removed(tmp_path):
     assert list((state / "sandboxns" / "tmp").iterdir()) == []
 
 
-def test_signal_timeout_and_errors_map_to_exit_statuses(tmp_path):
+def test_signal_timeout_and_errors_map_to_exit_statuses(driver_name, tmp_path):
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
-    assert sandboxns("run", "--", "/bin/sh", "-c", "kill -KILL $$", cwd=tmp_path, env=env).returncode == 128 + 9
-    timed_out = sandboxns("run", "--timeout", "0.3", "--", "/bin/sleep", "100", cwd=tmp_path, env=env)
+    assert (
+        sandboxns(
+            "run", "--driver", driver_name, "--", "/bin/sh", "-c", "kill -KILL $$", cwd=tmp_path, env=env
+        ).returncode
+        == 128 + 9
+    )
+    timed_out = sandboxns(
+        "run", "--driver", driver_name, "--timeout", "0.3", "--", "/bin/sleep", "100", cwd=tmp_path, env=env
+    )
     assert timed_out.returncode == 124 and b"timed out" in timed_out.stderr
-    missing = sandboxns("run", "--", "/no/such/program", cwd=tmp_path, env=env)
+    missing = sandboxns("run", "--driver", driver_name, "--", "/no/such/program", cwd=tmp_path, env=env)
     assert missing.returncode == 127 and b"/no/such/program" in missing.stderr
-    no_workspace = sandboxns("run", "--workspace", str(tmp_path / "nope"), "--", "true", cwd=tmp_path, env=env)
+    no_workspace = sandboxns(
+        "run", "--driver", driver_name, "--workspace", str(tmp_path / "nope"), "--", "true", cwd=tmp_path, env=env
+    )
     assert no_workspace.returncode == 127 and b"not a directory" in no_workspace.stderr
 
 

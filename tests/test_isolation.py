@@ -3,12 +3,14 @@ sandbox and, where it matters, against the host kernel's view."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
 
 import pytest
 import trio
+from conftest import host_processes_with, sleep_marker
 
 import sandboxns
 
@@ -62,6 +64,19 @@ async def test_environment_is_exactly_what_was_passed_plus_pwd(session):
     assert sorted(result.stdout.splitlines()) == sorted(
         f"{key}={value}" for key, value in {**sandboxns._session.DEFAULT_ENV, "PWD": "/workspace"}.items()
     )
+
+
+async def test_the_environment_never_shows_in_a_host_process_list(session, workspace):
+    secret = f"token-{sleep_marker()}"
+    fifo = workspace / "started"
+    os.mkfifo(fifo)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            functools.partial(session.run, "sh", ["-c", "echo > started; sleep 100"], env={"TOKEN": secret})
+        )
+        await trio.to_thread.run_sync(fifo.read_bytes)
+        assert host_processes_with(secret) == []
+        nursery.cancel_scope.cancel()
 
 
 async def test_guest_cannot_make_namespaces_of_its_own(session):

@@ -1,0 +1,52 @@
+"""What only the bwrap driver has: its dependency on bubblewrap, its failure
+reporting, and its one documented difference."""
+
+from __future__ import annotations
+
+import pytest
+
+import sandboxns
+from sandboxns import ErrorCode, SandboxError, _bwrap
+
+pytestmark = pytest.mark.smoke
+
+
+@pytest.fixture
+def bwrap_installed():
+    if _bwrap.find_bwrap() is None:
+        pytest.skip("bubblewrap is not installed")
+
+
+async def test_bwrap_driver_without_bubblewrap_is_unavailable(workspace, monkeypatch):
+    monkeypatch.setattr(_bwrap, "find_bwrap", lambda: None)
+    with pytest.raises(SandboxError) as error:
+        async with sandboxns.open_sandbox(workspace, driver="bwrap"):
+            pass
+    assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
+    assert "bubblewrap" in error.value.message
+
+
+async def test_bwrap_setup_failure_is_unavailable_with_its_message(workspace, tmp_path, monkeypatch):
+    """A bwrap that cannot make namespaces (here, a stand-in that fails the
+    way bwrap does) gives SANDBOX_UNAVAILABLE carrying bwrap's own words,
+    never an exit code."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(_bwrap, "find_bwrap", lambda: str(fake))
+    with pytest.raises(SandboxError) as error:
+        async with sandboxns.open_sandbox(workspace, driver="bwrap"):
+            pass
+    assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
+    assert "Creating new namespace failed" in error.value.message
+
+
+async def test_bwrap_reports_statuses_above_128_as_signals(workspace, bwrap_installed):
+    """bwrap passes a command killed by signal N on as status 128+N, so an
+    explicit `exit 130` looks the same: the documented difference from the
+    native driver, which reports it as exit code 130."""
+    async with sandboxns.open_sandbox(workspace, driver="bwrap") as session:
+        result = await session.run("sh", ["-c", "exit 130"])
+        assert (result.exit_code, result.signal) == (None, 2)
+        result = await session.run("sh", ["-c", "exit 128"])
+        assert (result.exit_code, result.signal) == (128, None)
