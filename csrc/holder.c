@@ -46,7 +46,8 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"uid", required_argument, NULL, 'u'},       {"gid", required_argument, NULL, 'g'},
         {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
         {"share-network", no_argument, NULL, 'n'},   {"overlay-lower", required_argument, NULL, 'l'},
-        {"overlay-work", required_argument, NULL, 'o'}, {NULL, 0, NULL, 0},
+        {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
+        {NULL, 0, NULL, 0},
     };
     int opt;
 
@@ -76,6 +77,9 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             break;
         case 'o':
             cfg->overlay_work = optarg;
+            break;
+        case 's':
+            cfg->gateway_socket = optarg;
             break;
         default:
             return fail(err, "arguments", EINVAL, "unknown argument");

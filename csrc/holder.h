@@ -18,6 +18,7 @@ struct holder_config {
     const char *workspace;     /* bound as /workspace; the upper layer with an overlay */
     const char *overlay_lower; /* read-only template under the workspace, or NULL */
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
+    const char *gateway_socket; /* host path of the egress gateway's socket, or NULL */
     const char *hostname;
     int share_network;
 };

@@ -175,6 +175,11 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
     if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
                            : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, err) < 0)
         return -1;
+    /* The egress gateway's socket: connecting to a socket needs no write
+     * access to its mount, so it is bound read-only like everything else. */
+    if (cfg->gateway_socket &&
+        clone_tree(plan, cfg->gateway_socket, "run/sandboxns-network.sock", RUNTIME_RO | MOUNT_ATTR_NOEXEC, err) < 0)
+        return -1;
     for (size_t i = 0; i < sizeof device_nodes / sizeof device_nodes[0]; i++) {
         char target[32];
 

@@ -324,7 +324,9 @@ pid_t spawn_idle_init(int *pidfd, int *request_fd, struct sbx_report *err)
 
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0)
         return fail(err, "socketpair", errno, "cannot create a request socket: %s", strerror(errno));
-    pid = sys_clone3_fork(CLONE_NEWNS | CLONE_NEWPID, pidfd);
+    /* A fresh IPC namespace too: SysV objects and POSIX message queues of
+     * one command never meet the next, just like its /tmp and /dev/shm. */
+    pid = sys_clone3_fork(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC, pidfd);
     if (pid < 0) {
         close(pair[0]);
         close(pair[1]);

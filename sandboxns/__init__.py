@@ -5,15 +5,18 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._backend import Backend, SessionHandle, open_backend
 from ._bwrap import BwrapDriver
-from ._driver import ExitStatus, NetworkPolicy, SandboxDriver, SandboxProcess
+from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
+from ._gateway import AuditRecord
 from ._native import NativeDriver
+from ._network import NetworkPolicy
 from ._open import open_sandbox
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
 from ._templates import Template
 
 __all__ = [
+    "AuditRecord",
     "Backend",
     "BwrapDriver",
     "DirEntry",

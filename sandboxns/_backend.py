@@ -23,15 +23,18 @@ import os
 import re
 import secrets
 import shutil
+import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
 
-from ._driver import OverlayUnavailable, check_network_policy
+from ._driver import OverlayUnavailable
 from ._errors import ErrorCode, SandboxError
+from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._lease import Lease, is_locked
+from ._network import NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, create_sandbox_session
 from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
@@ -107,6 +110,7 @@ class SessionHandle:
         self._lease: Lease | None = None
         self._deleted = False
         self._lifecycle = trio.Lock()
+        self._network: SessionNetwork | None = None
         self.session: Session
 
     def capture_state(self) -> dict:
@@ -132,6 +136,9 @@ class SessionHandle:
             self._backend._live.discard(self)
             await self._driver.aclose()
             self._driver = None
+        if self._network is not None:
+            await self._network.aclose()
+            self._network = None
 
     def _release(self) -> None:
         if self._lease is not None:
@@ -199,12 +206,14 @@ class Backend:
         driver: str,
         state_directory: Path,
         max_concurrent_commands: int,
-        on_broker_error: Callable[[BaseException], object] | None,
+        hub: GatewayHub,
+        nursery: trio.Nursery,
     ) -> None:
         self.name = driver
         self._driver_class = driver_class(driver)
         self.state_directory = state_directory
-        self.on_broker_error = on_broker_error
+        self._hub = hub
+        self._nursery = nursery
         self._slots = CommandSlots(max_concurrent_commands)
         self._templates = TemplateStore(state_directory / "templates")
         self._sessions = state_directory / "sessions"
@@ -257,7 +266,7 @@ class Backend:
             raise _invalid("create() needs template=, workspace= or state=")
         return await self._create_from_template(check_key(template), policy)
 
-    async def _create_from_template(self, key: str, policy: str) -> SessionHandle:
+    async def _create_from_template(self, key: str, policy: NetworkPolicy) -> SessionHandle:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
@@ -267,7 +276,7 @@ class Backend:
             await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), session_dir / "workspace")
         return await self._attach(session_dir, description, policy, new=True)
 
-    async def _create_bound(self, workspace: str | os.PathLike[str], policy: str) -> SessionHandle:
+    async def _create_bound(self, workspace: str | os.PathLike[str], policy: NetworkPolicy) -> SessionHandle:
         if not isinstance(workspace, (str, os.PathLike)):
             raise _invalid(f"workspace must be a path, not {type(workspace).__name__}")
         path = Path(workspace).resolve()
@@ -308,7 +317,7 @@ class Backend:
 
         return await trio.to_thread.run_sync(make)
 
-    async def _resume(self, state: object, template: object, workspace: object, policy: str) -> SessionHandle:
+    async def _resume(self, state: object, template: object, workspace: object, policy: NetworkPolicy) -> SessionHandle:
         if not isinstance(state, Mapping):
             raise _invalid(f"state must be the dict capture_state() returned, not {type(state).__name__}")
         if state.get("format") != STATE_FORMAT or not isinstance(state.get("session"), str):
@@ -342,8 +351,9 @@ class Backend:
             )
         return await self._attach(session_dir, description, policy, new=False)
 
-    async def _attach(self, session_dir: Path, description: dict, policy: str, *, new: bool) -> SessionHandle:
-        """Take the lease and start the session's sandbox."""
+    async def _attach(self, session_dir: Path, description: dict, policy: NetworkPolicy, *, new: bool) -> SessionHandle:
+        """Take the lease and start the session's sandbox (and its gateway,
+        for an allow-list policy)."""
         handle = SessionHandle(self, session_dir, description)
         try:
             lease = await Lease.acquire(session_dir, self.state_directory)
@@ -351,20 +361,33 @@ class Backend:
             if new:
                 await trio.to_thread.run_sync(_remove_tree, session_dir)
             raise
+        network = SessionNetwork(self._hub, self._nursery, handle.session_id)
         try:
-            driver = await self._start_driver(session_dir, description, policy, lease, new=new)
+            gateway_socket = await network.prepare(policy)
+            driver = await self._start_driver(session_dir, description, policy, lease, gateway_socket, new=new)
         except BaseException:
+            await network.aclose()
             lease.release()
             if new:
                 await trio.to_thread.run_sync(_remove_tree, session_dir)
             raise
         handle._driver = driver
         handle._lease = lease
-        handle.session = create_sandbox_session(driver, self._slots)
+        handle._network = network
+        handle.session = create_sandbox_session(driver, self._slots, network)
         self._live.add(handle)
         return handle
 
-    async def _start_driver(self, session_dir: Path, description: dict, policy: str, lease: Lease, *, new: bool):
+    async def _start_driver(
+        self,
+        session_dir: Path,
+        description: dict,
+        policy: NetworkPolicy,
+        lease: Lease,
+        gateway_socket: Path | None,
+        *,
+        new: bool,
+    ):
         layout = description["layout"]
         workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
         overlay = None
@@ -376,7 +399,9 @@ class Backend:
             scratch.mkdir(mode=0o700)
             overlay = (self._templates.files_of(description["template"]), scratch)
         try:
-            return await self._driver_class.start(workspace, network=policy, overlay=overlay, lease=lease)
+            return await self._driver_class.start(
+                workspace, network=policy, overlay=overlay, lease=lease, gateway_socket=gateway_socket
+            )
         except OverlayUnavailable:
             if not new:
                 raise
@@ -387,7 +412,13 @@ class Backend:
         await trio.to_thread.run_sync(_remove_tree, session_dir / "overlay-work")
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
-        return await self._driver_class.start(workspace, network=policy, lease=lease)
+        return await self._driver_class.start(workspace, network=policy, lease=lease, gateway_socket=gateway_socket)
+
+    def audit_records(self, buffer: int = 1000):
+        """An async context manager giving a stream of the gateway's audit
+        records (:class:`~sandboxns.AuditRecord`) from now on; see
+        :meth:`GatewayHub.audit_records`."""
+        return self._hub.audit_records(buffer)
 
     async def aclose(self) -> None:
         """Shut down every session this backend still runs."""
@@ -409,10 +440,13 @@ async def open_backend(
     state_directory: str | os.PathLike[str],
     max_concurrent_commands: int = DEFAULT_MAX_CONCURRENT_COMMANDS,
     on_broker_error: Callable[[BaseException], object] | None = None,
+    upstream_ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Backend]:
     """A backend over ``state_directory`` (created if missing) for as long
     as the block runs; sessions still live at its end are shut down (their
-    files stay)."""
+    files stay). ``on_broker_error`` receives the egress gateway's internal
+    errors; ``upstream_ssl_context`` verifies its https upstreams (default:
+    the system's trust store)."""
     driver_class(driver)
     limit = _check_limit(max_concurrent_commands)
     if on_broker_error is not None and not callable(on_broker_error):
@@ -426,8 +460,11 @@ async def open_backend(
             (root / part).mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot use state directory {root}: {exc}") from None
-    backend = Backend(driver, root, limit, on_broker_error)
-    try:
-        yield backend
-    finally:
-        await backend.aclose()
+    if upstream_ssl_context is not None and not isinstance(upstream_ssl_context, ssl.SSLContext):
+        raise _invalid("upstream_ssl_context must be an ssl.SSLContext or None")
+    async with service_nursery() as nursery:
+        backend = Backend(driver, root, limit, GatewayHub(upstream_ssl_context, on_broker_error), nursery)
+        try:
+            yield backend
+        finally:
+            await backend.aclose()

@@ -42,10 +42,12 @@ from pathlib import Path
 
 import trio
 
-from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
+from ._driver import ExitStatus, OverlayUnavailable
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
+from ._gateway import GUEST_SOCKET
 from ._lease import Lease, ProcessId
+from ._network import NetworkPolicy, check_network_policy
 from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
@@ -95,7 +97,9 @@ def _etc_files(uid: int, gid: int, share_network: bool) -> dict[str, str]:
     return files
 
 
-def _plan(bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_network: bool) -> list[str]:
+def _plan(
+    bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_network: bool, gateway_socket: Path | None
+) -> list[str]:
     """The per-session part of every command's bwrap arguments."""
     plan = ["--unshare-all", "--unshare-user"]
     if share_network:
@@ -110,6 +114,7 @@ def _plan(bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_
             plan += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             plan += ["--ro-bind", path, path]
+    plan += ["--perms", "0755", "--dir", "/etc"]  # bwrap would make it 0700
     for path in HOST_ETC:
         plan += ["--ro-bind-try", path, path]
     for name in sorted(os.listdir(etc_dir)):
@@ -118,12 +123,13 @@ def _plan(bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_
         "--bind", str(workspace), WORKSPACE,
         "--proc", "/proc",
         "--dev", "/dev",
-        "--tmpfs", "/dev/shm",
-        "--tmpfs", "/tmp",
+        "--perms", "1777", "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--tmpfs", "/tmp",
         "--dir", "/run",
-        "--remount-ro", "/",
     ]  # fmt: skip
-    return plan
+    if gateway_socket is not None:
+        plan += ["--ro-bind", str(gateway_socket), GUEST_SOCKET]
+    return plan + ["--remount-ro", "/"]
 
 
 def _error_from_message(message: str) -> SandboxError:
@@ -167,10 +173,33 @@ class _HeadKeepingStream(trio.abc.ReceiveStream):
         await self._stream.aclose()
 
 
+class _Monitor:
+    """bwrap's outer process, started from trio's own thread (see spawn) and
+    waited for through a pidfd."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.pidfd = os.pidfd_open(popen.pid)
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            await trio.lowlevel.wait_readable(self.pidfd)
+            self.returncode = self.popen.wait()
+            os.close(self.pidfd)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+
 class BwrapProcess:
     """One command: a bwrap monitor, its init, and the command under it."""
 
-    def __init__(self, driver: BwrapDriver, monitor: trio.Process, status: int, stdout: int, stderr: int) -> None:
+    def __init__(self, driver: BwrapDriver, monitor: _Monitor, status: int, stdout: int, stderr: int) -> None:
         self._driver = driver
         self._monitor = monitor
         self._status = trio.lowlevel.FdStream(status)
@@ -185,14 +214,15 @@ class BwrapProcess:
         self._exit_code: int | None = None
         self._gone_lock = trio.Lock()
         self._gone = False
-        self._killed = False
+        self._killed_by: int | None = None
         self._stopped = False
         self._result: ExitStatus | None = None
         self.tracked: list[ProcessId | None] = [ProcessId.of(monitor.pid)]
 
     async def _read_status(self, until_init: bool = False) -> None:
         """Read bwrap's JSON status records: all of them, or until the init's
-        pid is known."""
+        pid is known (bwrap writes it right after cloning the init, before
+        letting it run)."""
         async with self._status_lock:
             while not self._status_done and not (until_init and self._init is not None):
                 chunk = await self._status.receive_some(4096)
@@ -205,13 +235,11 @@ class BwrapProcess:
 
     def _record(self, record: dict) -> None:
         if "child-pid" in record:
-            pid = record["child-pid"]
-            # Opened while the monitor has not yet reaped it, or it is gone.
-            with contextlib.suppress(ProcessLookupError):
-                self._init_pidfd = os.pidfd_open(pid)
-            self._init = ProcessId.of(pid)
-            self.tracked.append(self._init)
-            self._driver._track()
+            self._init_pidfd = _open_init(record["child-pid"], record.get("pid-namespace"))
+            if self._init_pidfd is not None:
+                self._init = ProcessId.of(record["child-pid"])
+                self.tracked.append(self._init)
+                self._driver._track()
         elif "exit-code" in record:
             self._exit_code = record["exit-code"]
 
@@ -236,6 +264,10 @@ class BwrapProcess:
             await self._read_status()
             if self._init_pidfd is not None:
                 await trio.lowlevel.wait_readable(self._init_pidfd)
+                # Orphaned when the monitor exited; if that made it our
+                # child (we are a subreaper), reap it.
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitid(os.P_PIDFD, self._init_pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - WNOHANG
             self._gone = True
 
     async def wait(self) -> ExitStatus:
@@ -246,8 +278,12 @@ class BwrapProcess:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
         if self._exit_code is not None:
             self._result = _status_from_exit_code(self._exit_code)
-        elif self._killed:
-            self._result = ExitStatus(exit_code=None, signal=signal.SIGKILL)
+        elif self._killed_by is not None:
+            self._result = ExitStatus(exit_code=None, signal=self._killed_by)
+        elif self._monitor.returncode is not None and self._monitor.returncode < 0:
+            # Something outside killed bwrap itself; stderr may be the
+            # command's, so it says nothing about why.
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap was killed by signal {-self._monitor.returncode}")
         else:
             # Never exec'd: all of stderr is bwrap's own message.
             with trio.move_on_after(MESSAGE_WAIT):
@@ -258,19 +294,18 @@ class BwrapProcess:
     async def send_signal(self, signum: int) -> None:
         if self._gone or self._monitor.returncode is not None:
             return
-        if signum == signal.SIGKILL:
-            self._killed = True
-            # The init is pid 1 of the command's pid namespace: killing it
-            # kills everything in there. The monitor follows.
+        await self._read_status(until_init=True)
+        pid = self._command_pid() if signum != signal.SIGKILL else None
+        if pid is None:
+            # SIGKILL, or a signal for a command bwrap has not started yet
+            # (so nothing could handle it): kill the init, pid 1 of the
+            # command's pid namespace, which takes everything in it along;
+            # then the monitor.
+            self._killed_by = signum
             if self._init_pidfd is not None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self._monitor.kill()
-            return
-        await self._read_status(until_init=True)
-        pid = self._command_pid()
-        if pid is None:  # not started yet, or already gone
+            self._monitor.kill()
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             pidfd = os.pidfd_open(pid)
@@ -281,16 +316,36 @@ class BwrapProcess:
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
-            if not self._gone:
-                await self.send_signal(signal.SIGKILL)
-                await self._wait_gone()
-            if self._init_pidfd is not None:
-                os.close(self._init_pidfd)
-                self._init_pidfd = None
-            await self._status.aclose()
-            await self.stdout.aclose()
-            await self.stderr.aclose()
-            self._driver._forget(self)
+            try:
+                if not self._gone:
+                    await self.send_signal(signal.SIGKILL)
+                    await self._wait_gone()
+            finally:
+                if self._init_pidfd is not None:
+                    os.close(self._init_pidfd)
+                    self._init_pidfd = None
+                await self._status.aclose()
+                await self.stdout.aclose()
+                await self.stderr.aclose()
+                self._driver._forget(self)
+
+
+def _open_init(pid: int, pid_namespace: object) -> int | None:
+    """A pidfd for bwrap's init, checked to be that process: pid 1 of the
+    pid namespace bwrap reported. None if it is already gone."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        same = os.stat(f"/proc/{pid}/ns/pid").st_ino == pid_namespace
+        signal.pidfd_send_signal(pidfd, 0)  # still the process we checked
+    except OSError:
+        same = False
+    if not same:
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 class BwrapDriver(HostWorkspaceIO):
@@ -312,6 +367,7 @@ class BwrapDriver(HostWorkspaceIO):
         gid: int = 1000,
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
+        gateway_socket: Path | None = None,
     ) -> BwrapDriver:
         policy = check_network_policy(network)
         for label, value in (("uid", uid), ("gid", gid)):
@@ -329,20 +385,17 @@ class BwrapDriver(HostWorkspaceIO):
                 "the bwrap driver needs bubblewrap, which is not installed (apt-get install bubblewrap)",
             )
         self = object.__new__(cls)
-        self.network = policy
         self.workspace = workspace_path.resolve()
         self._bwrap = bwrap
+        self._ids = (uid, gid)
         self._lease = lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
         self._stopped = trio.Event()
         self._etc = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-etc-"))
         try:
-            for name, content in _etc_files(uid, gid, policy == "allow-all").items():
-                (self._etc / name).write_text(content)
-                (self._etc / name).chmod(0o644)
             self._etc.chmod(0o755)
-            self._plan = _plan(bwrap, self.workspace, self._etc, uid, gid, policy == "allow-all")
+            self._configure(policy, gateway_socket)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
             shutil.rmtree(self._etc, ignore_errors=True)
@@ -364,6 +417,24 @@ class BwrapDriver(HostWorkspaceIO):
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({result}): {result.stderr.strip()}"
             )
+
+    def _configure(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+        """Write the synthesized /etc and the plan for this network."""
+        uid, gid = self._ids
+        files = _etc_files(uid, gid, policy.shares_host_network)
+        for stale in set(os.listdir(self._etc)) - set(files):
+            (self._etc / stale).unlink()
+        for name, content in files.items():
+            (self._etc / name).write_text(content)
+            (self._etc / name).chmod(0o644)
+        self._plan = _plan(self._bwrap, self.workspace, self._etc, uid, gid, policy.shares_host_network, gateway_socket)
+        self.network = policy
+
+    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+        """Every command is its own bwrap, so the next one simply gets the
+        new plan."""
+        self._check_usable()
+        self._configure(policy, gateway_socket)
 
     def _track(self) -> None:
         # Once closed, nothing runs any more and the lease is its owner's again.
@@ -401,7 +472,10 @@ class BwrapDriver(HostWorkspaceIO):
             for fd in (status_read, stdout_read, stderr_read):
                 on_failure.callback(os.close, fd)
             try:
-                monitor = await trio.lowlevel.open_process(
+                # Popen from trio's own thread, not a worker: bwrap's
+                # --die-with-parent fires when the *thread* that started it
+                # ends, and idle worker threads end after seconds.
+                popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
                     [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--", *argv],
                     stdin=subprocess.DEVNULL if stdin is None else stdin,
                     stdout=stdout_write,
@@ -412,9 +486,15 @@ class BwrapDriver(HostWorkspaceIO):
             except OSError as exc:
                 raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot run {self._bwrap}: {exc}") from None
             on_failure.pop_all()
-        process = BwrapProcess(self, monitor, status_read, stdout_read, stderr_read)
+        process = BwrapProcess(self, _Monitor(popen), status_read, stdout_read, stderr_read)
         self._processes.add(process)
         self._track()
+        try:
+            # Know the init before anyone can want to signal it.
+            await process._read_status(until_init=True)
+        except BaseException:
+            await process.aclose()
+            raise
         return process
 
     async def aclose(self) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import trio
 
-from ._driver import NETWORK_POLICIES
 from ._errors import ErrorCode, SandboxError
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{EXIT_TIMED_OUT} on timeout, {EXIT_SANDBOX_ERROR} if the sandbox could not be set up.",
     )
     run.add_argument("--workspace", metavar="DIR", help="host directory to mount read-write at /workspace")
-    run.add_argument("--network", choices=NETWORK_POLICIES, default="deny-all")
+    run.add_argument("--network", choices=("deny-all", "allow-all"), default="deny-all")
     run.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds (default %(default)s)"
     )

@@ -10,30 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import trio
 
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
-
-NetworkPolicy = Literal["deny-all", "allow-all"]
-NETWORK_POLICIES: tuple[str, ...] = ("deny-all", "allow-all")
-
-
-def check_network_policy(policy: object) -> NetworkPolicy:
-    """Validate a network policy, refusing ones no driver supports yet."""
-    if isinstance(policy, str) and policy in NETWORK_POLICIES:
-        return policy  # type: ignore[return-value]
-    if isinstance(policy, Mapping) and "allow" in policy:
-        raise SandboxError(
-            ErrorCode.SANDBOX_POLICY_REFUSED,
-            "allow-list network policies need the egress gateway, which this version does not have",
-        )
-    raise SandboxError(
-        ErrorCode.SANDBOX_INVALID_ARGUMENT,
-        f"network policy must be one of {', '.join(NETWORK_POLICIES)}, not {policy!r}",
-    )
+from ._network import NetworkPolicy
 
 
 class OverlayUnavailable(SandboxError):
@@ -85,7 +69,7 @@ class SandboxDriver(Protocol):
     workspace (through symlinks the guest made)."""
 
     name: str
-    network: NetworkPolicy
+    network: NetworkPolicy  # the policy in force
 
     async def read_bytes(self, path: str, max_bytes: int) -> bytes:
         """A regular file's content; SANDBOX_LIMIT if longer than max_bytes."""
@@ -113,6 +97,12 @@ class SandboxDriver(Protocol):
         (an absolute guest path). ``stdin`` is a host fd to hand the command
         (None: an empty input). Raises SandboxError(SANDBOX_STOPPED) once the
         driver is closed."""
+        ...
+
+    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+        """Apply a network policy while no command runs. ``gateway_socket``
+        is the host path of the egress gateway's socket for an allow-list
+        policy, to appear in the guest at /run/sandboxns-network.sock."""
         ...
 
     async def aclose(self) -> None:

@@ -21,10 +21,11 @@ from pathlib import Path
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, OverlayUnavailable, check_network_policy
+from ._driver import ExitStatus, OverlayUnavailable
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
+from ._network import NetworkPolicy, check_network_policy
 from ._session import MAX_COMMAND_BYTES
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
@@ -122,6 +123,7 @@ class NativeDriver(HostWorkspaceIO):
         gid: int = 1000,
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
+        gateway_socket: Path | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(template, scratch)`` the workspace is
@@ -129,7 +131,8 @@ class NativeDriver(HostWorkspaceIO):
         read-only ``template``; ``scratch`` is overlayfs's work directory.
         ``lease``, a held session lease, is shared with the holder's
         launcher, so it stays locked until every process of the session is
-        gone, even if this process dies first."""
+        gone, even if this process dies first. ``gateway_socket``, for an
+        allow-list policy, is bound at /run/sandboxns-network.sock."""
         policy = check_network_policy(network)
         for label, value in (("uid", uid), ("gid", gid)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
@@ -142,26 +145,35 @@ class NativeDriver(HostWorkspaceIO):
                 ErrorCode.SANDBOX_UNAVAILABLE,
                 f"the holder program {HOLDER_PATH} is missing; reinstall sandboxns with 'pip install .'",
             )
-        argv = [
-            str(HOLDER_PATH),
-            f"--uid={uid}",
-            f"--gid={gid}",
-            f"--workspace={workspace_path.resolve()}",
-        ]
+        self = object.__new__(cls)
+        self.workspace = workspace_path.resolve()
+        self._base_argv = [str(HOLDER_PATH), f"--uid={uid}", f"--gid={gid}", f"--workspace={self.workspace}"]
         if overlay is not None:
             template, scratch = overlay
-            argv += [f"--overlay-lower={Path(template).resolve()}", f"--overlay-work={Path(scratch).resolve()}"]
-        if policy == "allow-all":
-            argv.append("--share-network")
-
-        self = object.__new__(cls)
-        self.network = policy
-        self.workspace = workspace_path.resolve()
-        self.holder_pid = None
+            self._base_argv += [
+                f"--overlay-lower={Path(template).resolve()}",
+                f"--overlay-work={Path(scratch).resolve()}",
+            ]
         self._lease = lease
         self._closed = False
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await self._launch(policy, gateway_socket)
+        except BaseException:
+            os.close(self._devnull)
+            raise
+        return self
+
+    async def _launch(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+        """Start a holder for this session's workspace with this network."""
+        argv = list(self._base_argv)
+        if policy.shares_host_network:
+            argv.append("--share-network")
+        if gateway_socket is not None:
+            argv.append(f"--gateway-socket={gateway_socket}")
+        self.holder_pid = None
         with contextlib.ExitStack() as cleanup:
             host_end, holder_end = _seqpacket_pair()
             cleanup.callback(host_end.close)
@@ -169,7 +181,7 @@ class NativeDriver(HostWorkspaceIO):
                 # Synchronously, in this (trio's) thread: see spawn_holder.
                 try:
                     self._pid = _ffi.spawn_holder(
-                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if lease is None else lease.fd
+                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if self._lease is None else self._lease.fd
                     )
                 except OSError as exc:
                     raise SandboxError(
@@ -180,12 +192,45 @@ class NativeDriver(HostWorkspaceIO):
             self._control = trio.socket.from_stdlib_socket(host_end)
             workspace_fd = await self._await_ready()
             cleanup.callback(os.close, workspace_fd)
-            if lease is not None:
-                lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
+            if self._lease is not None:
+                self._lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
             cleanup.pop_all()
-        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._files = WorkspaceFiles(workspace_fd)
-        return self
+        self.network = policy
+        self._gateway_socket = gateway_socket
+
+    async def _stop_holder(self) -> None:
+        """Close the control socket and wait for the holder, and with it
+        everything in the session, to be gone."""
+        # Closing the control socket makes the holder (pid 1 of the session)
+        # exit; the kernel then kills and reaps everything in the session
+        # before the launcher we track exits. So once the pidfd is readable,
+        # nothing of the session is left.
+        with trio.CancelScope(shield=True):
+            self._control.close()
+            await self._close_files()
+            with trio.move_on_after(HOLDER_EXIT_GRACE):
+                await trio.lowlevel.wait_readable(self._pidfd)
+            self._reap_holder_now()
+
+    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+        """Apply a new network policy; no command may be running. Namespaces
+        cannot be swapped under a live holder, so a change of network
+        namespace or gateway socket starts a new holder (about as costly as
+        a session start); a new allow-list for the same gateway costs
+        nothing here."""
+        self._check_usable()
+        if (policy.shares_host_network, gateway_socket) == (self.network.shares_host_network, self._gateway_socket):
+            self.network = policy
+            return
+        await self._stop_holder()
+        try:
+            await self._launch(policy, gateway_socket)
+        except BaseException:
+            self._closed = True
+            os.close(self._devnull)
+            self._stopped.set()
+            raise
 
     def _reap_holder_now(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -271,15 +316,7 @@ class NativeDriver(HostWorkspaceIO):
                 await self._stopped.wait()
             return
         self._closed = True
-        # Closing the control socket makes the holder (pid 1 of the session)
-        # exit; the kernel then kills and reaps everything in the session
-        # before the launcher we track exits. So once the pidfd is readable,
-        # nothing of the session is left.
         with trio.CancelScope(shield=True):
-            self._control.close()
+            await self._stop_holder()
             os.close(self._devnull)
-            await self._close_files()
-            with trio.move_on_after(HOLDER_EXIT_GRACE):
-                await trio.lowlevel.wait_readable(self._pidfd)
-            self._reap_holder_now()
             self._stopped.set()

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import secrets
+import ssl
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ._bwrap import BwrapDriver
 from ._errors import ErrorCode, SandboxError
+from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._native import NativeDriver
+from ._network import check_network_policy
 from ._session import Session, create_sandbox_session
 
 DRIVERS = {"native": NativeDriver, "bwrap": BwrapDriver}
@@ -32,11 +36,28 @@ async def open_sandbox(
     network: object = "deny-all",
     uid: int = 1000,
     gid: int = 1000,
+    upstream_ssl_context: ssl.SSLContext | None = None,
+    on_broker_error: Callable[[BaseException], object] | None = None,
 ) -> AsyncIterator[Session]:
     """Start a sandbox whose ``/workspace`` is the host directory
-    ``workspace``; everything in it is killed when the block exits."""
-    sandbox_driver = await driver_class(driver).start(workspace, network=network, uid=uid, gid=gid)
-    try:
-        yield create_sandbox_session(sandbox_driver)
-    finally:
-        await sandbox_driver.aclose()
+    ``workspace``; everything in it is killed when the block exits.
+
+    ``upstream_ssl_context`` verifies https upstreams of an allow-list
+    policy (default: the system's trust store); ``on_broker_error`` receives
+    the gateway's internal errors."""
+    driver_type = driver_class(driver)
+    policy = check_network_policy(network)
+    hub = GatewayHub(upstream_ssl_context, on_broker_error)
+    async with service_nursery() as nursery:
+        network_of_session = SessionNetwork(hub, nursery, f"sandbox-{secrets.token_hex(4)}")
+        try:
+            gateway_socket = await network_of_session.prepare(policy)
+            sandbox_driver = await driver_type.start(
+                workspace, network=policy, uid=uid, gid=gid, gateway_socket=gateway_socket
+            )
+            try:
+                yield create_sandbox_session(sandbox_driver, network=network_of_session)
+            finally:
+                await sandbox_driver.aclose()
+        finally:
+            await network_of_session.aclose()

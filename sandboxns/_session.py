@@ -16,13 +16,17 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, DirEntry
+from ._network import NetworkPolicy, check_network_policy
+
+if TYPE_CHECKING:
+    from ._gateway import SessionNetwork
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
@@ -207,13 +211,45 @@ class Session:
     With ``admission``, every command holds one of its slots from before the
     process starts until the command's whole process tree is gone."""
 
-    def __init__(self, driver: SandboxDriver, admission: Admission | None = None) -> None:
+    def __init__(
+        self, driver: SandboxDriver, admission: Admission | None = None, network: SessionNetwork | None = None
+    ) -> None:
         self.driver = driver
         self._admission = admission
+        self._network = network
+        self._running = 0
+        self._changing_network = False
+        # Bumped by every policy change: whatever was prepared under an
+        # older generation is void.
+        self.network_generation = 0
 
     @property
-    def network(self) -> str:
+    def network(self) -> NetworkPolicy:
+        """The network policy in force (its repr never shows header values)."""
         return self.driver.network
+
+    async def set_network_policy(self, policy: object) -> None:
+        """Replace the session's network policy. Refused with SANDBOX_BUSY
+        while any command runs; policies are never stored on disk."""
+        checked = check_network_policy(policy)
+        if self._running or self._changing_network:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY, "the network policy can only change while no command runs in the session"
+            )
+        self._changing_network = True
+        try:
+            if self._network is not None:
+                await self._network.apply(self.driver, checked)
+            elif checked.needs_gateway:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_POLICY_REFUSED,
+                    "an allow-list policy needs the egress gateway, which open_sandbox() and backends provide",
+                )
+            else:
+                await self.driver.set_network(checked, None)
+        finally:
+            self._changing_network = False
+            self.network_generation += 1
 
     async def read_file(self, path: str) -> bytes:
         """The content of a workspace file (at most 1 MiB)."""
@@ -308,13 +344,17 @@ class Session:
         """Run checked arguments to completion, handing the output streams to
         ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
         through instead (the CLI's own input)."""
-        if self._admission is None:
-            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd)
-        self._admission.acquire()
+        if self._changing_network:
+            raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
+        if self._admission is not None:
+            self._admission.acquire()
+        self._running += 1
         try:
             return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd)
         finally:
-            self._admission.release()
+            self._running -= 1
+            if self._admission is not None:
+                self._admission.release()
 
     async def _supervise(
         self,
@@ -389,6 +429,8 @@ class Session:
         )
 
 
-def create_sandbox_session(driver: SandboxDriver, admission: Admission | None = None) -> Session:
+def create_sandbox_session(
+    driver: SandboxDriver, admission: Admission | None = None, network: SessionNetwork | None = None
+) -> Session:
     """Wrap a driver in a :class:`Session`."""
-    return Session(driver, admission)
+    return Session(driver, admission, network)

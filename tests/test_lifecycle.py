@@ -132,3 +132,42 @@ async def test_session_outlives_trio_worker_threads(driver_name, workspace, monk
         workers[0].join()  # returns once the idle worker has exited
         assert not workers[0].is_alive()
         assert (await session.run("true")).exit_code == 0
+
+
+async def test_a_command_outlives_trios_idle_worker_threads(session):
+    """Trio retires an idle worker thread after 10 s, and a parent-death
+    signal fires when the *thread* that started a process ends: nothing of a
+    command may be started from a worker thread."""
+    result = await session.run("sleep", ["11"], timeout=20)
+    assert (result.exit_code, result.timed_out) == (0, False)
+
+
+@pytest.mark.smoke
+async def test_a_kill_during_setup_kills_the_command(session):
+    for timeout in (0.0005, 0.001, 0.002, 0.004, 0.008):
+        marker = sleep_marker()
+        result = await session.run("sleep", [marker], timeout=timeout)
+        assert result.timed_out
+        assert host_processes_with(marker) == []
+
+
+@pytest.mark.smoke
+async def test_closing_the_driver_while_commands_start(driver_name, workspace):
+    for delay in (0, 0.0002, 0.0005, 0.001, 0.003):
+        marker = sleep_marker()
+        async with sandboxns.open_sandbox(workspace, driver=driver_name) as session:
+            outcomes = []
+
+            async def run(session=session, marker=marker, outcomes=outcomes) -> None:
+                try:
+                    await session.run("sh", ["-c", f"sleep {marker}; echo late > late"])
+                except sandboxns.SandboxError as exc:
+                    outcomes.append(exc.code)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await trio.sleep(delay)  # not synchronisation: the point is to race
+                await session.driver.aclose()
+        assert outcomes == [sandboxns.ErrorCode.SANDBOX_STOPPED]
+        assert host_processes_with(marker) == []
+        assert not (workspace / "late").exists()

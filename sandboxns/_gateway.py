@@ -1,0 +1,582 @@
+"""The egress gateway: HTTP from a session's guests to exactly the allowed
+origins, with the policy's credentials added on the way.
+
+A session with an allow-list policy keeps its own network namespace (only
+``lo``); the one way out is a Unix socket, bound into the guest at
+``/run/sandboxns-network.sock``, whose other end is this host-side trio
+server. A guest speaks plain HTTP/1.1 to it with the upstream named in
+``Host`` (``curl --unix-socket /run/sandboxns-network.sock
+http://api.example.com/x``), and for every request, on its own:
+
+* the request is parsed strictly (h11, plus a check of the raw head that h11
+  is lenient about: bare CR or LF, obs-fold, NUL, duplicate Content-Length,
+  Content-Length with Transfer-Encoding), CONNECT, TRACE and Upgrade are
+  refused, and anything ambiguous closes the connection;
+* it must match exactly one allowed origin (scheme, host, effective port);
+  an absolute-form target must name the same origin as ``Host``;
+* a new upstream request is built from the parsed fields, never relayed as
+  bytes: hop-by-hop headers go, the policy's headers replace the guest's of
+  the same names, and a guest's own Cookie/Authorization never reach an
+  origin that gets injected credentials;
+* for https origins the host does TLS, verifying the upstream;
+* a redirect is answered with 502 and never followed, so credentials are
+  never re-sent elsewhere.
+
+Header values exist only in host memory: never in the guest, on disk, in a
+log record or in an error message. Each request leaves an audit record (see
+:class:`AuditRecord`) on the ``sandboxns.gateway`` logger and on
+:meth:`GatewayHub.audit_records` streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import ssl
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from ._network import CREDENTIAL_HEADERS, DEFAULT_PORTS, AllowedOrigin, NetworkPolicy, Origin, canonical_host
+
+GUEST_SOCKET = "/run/sandboxns-network.sock"
+MAX_CONCURRENT_REQUESTS = 16
+MAX_BODY_BYTES = 1024 * 1024
+REQUEST_DEADLINE = 30.0
+# A guest gets this long to send a whole request, and a kept-alive
+# connection may sit idle this long.
+CLIENT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
+MAX_HEAD_BYTES = 16 * 1024
+MAX_HEADERS = 100
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_READ = 65536
+
+logger = logging.getLogger("sandboxns.gateway")
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One request through a gateway. Never holds a header value."""
+
+    session_id: str
+    origin: str | None
+    method: str
+    path: str
+    status: int
+    bytes_in: int
+    bytes_out: int
+    duration: float
+    reason: str = ""
+
+
+class GatewayHub:
+    """What the gateways of one backend share: the concurrent-request
+    limit, the TLS context for upstreams, the error callback, and the audit
+    streams."""
+
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext | None = None,
+        on_error: Callable[[BaseException], object] | None = None,
+        max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
+    ) -> None:
+        self.ssl_context = ssl_context or ssl.create_default_context()
+        self.on_error = on_error
+        self.limiter = trio.CapacityLimiter(max_concurrent_requests)
+        self._subscribers: set[trio.MemorySendChannel] = set()
+        self.dropped_records = 0
+
+    def report_error(self, exc: BaseException) -> None:
+        if self.on_error is None:
+            logger.error("internal gateway error", exc_info=exc)
+            return
+        try:
+            self.on_error(exc)
+        except Exception:
+            logger.exception("on_broker_error raised")
+
+    def publish(self, record: AuditRecord) -> None:
+        logger.info(
+            "%s %s %s%s -> %d (%d bytes in, %d out, %.1f ms)%s",
+            record.session_id,
+            record.method,
+            record.origin or "-",
+            record.path,
+            record.status,
+            record.bytes_in,
+            record.bytes_out,
+            record.duration * 1000,
+            f": {record.reason}" if record.reason else "",
+            extra={"sandboxns_audit": asdict(record)},
+        )
+        for channel in list(self._subscribers):
+            try:
+                channel.send_nowait(record)
+            except trio.WouldBlock:
+                self.dropped_records += 1
+            except trio.BrokenResourceError:
+                self._subscribers.discard(channel)
+
+    @contextlib.asynccontextmanager
+    async def audit_records(self, buffer: int = 1000) -> AsyncIterator[trio.MemoryReceiveChannel]:
+        """A stream of audit records from now on. A reader that falls more
+        than ``buffer`` records behind loses the excess (counted in
+        ``dropped_records``); the gateway never waits for it."""
+        send, receive = trio.open_memory_channel(buffer)
+        self._subscribers.add(send)
+        try:
+            async with receive:
+                yield receive
+        finally:
+            self._subscribers.discard(send)
+            send.close()
+
+
+class Refusal(Exception):
+    """A request the gateway answers itself."""
+
+    def __init__(self, status: int, reason: str, close: bool = False) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.close = close
+
+
+def check_raw_head(head: bytes) -> None:
+    """What h11 tolerates but a gateway must not: a request head is CRLF
+    lines of visible text, with no continuation lines and one unambiguous
+    framing."""
+    if b"\0" in head:
+        raise Refusal(400, "NUL in the request head", close=True)
+    lines = head[:-4].split(b"\r\n")
+    if any(b"\r" in line or b"\n" in line for line in lines):
+        raise Refusal(400, "bare CR or LF in the request head", close=True)
+    if len(lines) - 1 > MAX_HEADERS:
+        raise Refusal(431, f"more than {MAX_HEADERS} header fields", close=True)
+    names = []
+    for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            raise Refusal(400, "obsolete line folding in a header", close=True)
+        names.append(line.split(b":", 1)[0].strip().lower())
+    if names.count(b"content-length") > 1:
+        raise Refusal(400, "more than one Content-Length", close=True)
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise Refusal(400, "both Content-Length and Transfer-Encoding", close=True)
+
+
+def _split_host(value: str) -> tuple[str, int | None]:
+    try:
+        parts = urlsplit(f"//{value}")
+        port = parts.port
+    except ValueError:
+        raise Refusal(400, "malformed Host header") from None
+    if not parts.hostname or parts.username is not None or parts.path:
+        raise Refusal(400, "malformed Host header")
+    return canonical_host(parts.hostname), port
+
+
+def match_origin(policy: NetworkPolicy, host_header: str, target: str) -> tuple[AllowedOrigin, str]:
+    """The one allowed origin a request is for, and the origin-form target
+    to send upstream. Raises Refusal(403) unless there is exactly one."""
+    host, port = _split_host(host_header)
+    if target.startswith("/"):
+        path = target
+        candidates = [
+            allowed
+            for allowed in policy.allowed
+            if allowed.origin.host == host
+            and allowed.origin.port == (port if port is not None else DEFAULT_PORTS[allowed.origin.scheme])
+        ]
+    else:
+        try:
+            parts = urlsplit(target)
+            target_port = parts.port
+        except ValueError:
+            raise Refusal(400, "malformed request target", close=True) from None
+        if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.username is not None:
+            raise Refusal(400, "the request target must be a path or an http(s) URL", close=True)
+        origin = Origin(
+            parts.scheme,
+            canonical_host(parts.hostname),
+            target_port if target_port is not None else DEFAULT_PORTS[parts.scheme],
+        )
+        if (origin.host, origin.port) != (host, port if port is not None else DEFAULT_PORTS[parts.scheme]):
+            raise Refusal(403, "the request URL names another origin than the Host header")
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        candidates = [allowed for allowed in policy.allowed if allowed.origin == origin]
+    if not candidates:
+        raise Refusal(403, f"{host_header} is not an allowed origin")
+    if len(candidates) > 1:
+        raise Refusal(403, f"{host_header} matches several allowed origins; give the port or an absolute URL")
+    return candidates[0], path
+
+
+def upstream_headers(allowed: AllowedOrigin, request: h11.Request) -> list[tuple[bytes, bytes]]:
+    """The headers the upstream gets: the guest's, minus hop-by-hop and
+    framing ones (the gateway frames the body itself), minus credentials
+    where the policy injects its own, with the policy's headers set."""
+    named_in_connection = set()
+    for name, value in request.headers:
+        if name == b"connection":
+            named_in_connection |= {token.strip().lower() for token in value.split(b",")}
+    injected = {name.encode() for name, _ in allowed.headers}
+    drop = HOP_BY_HOP | {"host", "content-length", "expect"}
+    headers = [(b"host", allowed.origin.host_header.encode())]
+    for name, value in request.headers:
+        text = name.decode("ascii")
+        if text in drop or name in named_in_connection or name in injected:
+            continue
+        if allowed.injects_credentials and text in CREDENTIAL_HEADERS:
+            continue
+        headers.append((name, value))
+    headers += [(name.encode(), value.encode()) for name, value in allowed.headers]
+    return headers
+
+
+def _response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
+    lines = [b"HTTP/1.1 %d %s" % (status, reason or b"")]
+    lines += [name + b": " + value for name, value in headers]
+    if close:
+        lines.append(b"connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _plain_response(status: int, text: str, close: bool) -> bytes:
+    body = f"sandboxns gateway: {text}\n".encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+    phrase = {403: b"Forbidden", 405: b"Method Not Allowed", 413: b"Content Too Large", 503: b"Service Unavailable"}
+    return _response_head(status, phrase.get(status, b"Error"), headers, close) + body
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class Gateway:
+    """One session's gateway: a Unix socket in a private host directory and
+    the requests that arrive on it. :meth:`update` swaps the policy; every
+    later request is judged by the new one."""
+
+    def __init__(self, hub: GatewayHub, session_id: str, policy: NetworkPolicy) -> None:
+        self._hub = hub
+        self.session_id = session_id
+        self.policy = policy
+        self._directory = Path(tempfile.mkdtemp(prefix="sandboxns-net-"))
+        self.socket_path = self._directory / "gateway.sock"
+        self._cancel = trio.CancelScope()
+        self._done = trio.Event()
+
+    def update(self, policy: NetworkPolicy) -> None:
+        self.policy = policy
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._cancel:
+                listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+                with listener:
+                    await listener.bind(str(self.socket_path))
+                    os.chmod(self.socket_path, 0o600)
+                    listener.listen(64)
+                    task_status.started()
+                    async with trio.open_nursery() as nursery:
+                        while True:
+                            connection, _ = await listener.accept()
+                            nursery.start_soon(self._serve, trio.SocketStream(connection))
+        finally:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._done.set()
+
+    async def aclose(self) -> None:
+        self._cancel.cancel()
+        await self._done.wait()
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        """One guest connection: requests one after another, until either
+        side closes it or a request says to."""
+        buffer = b""
+        async with stream:
+            while True:
+                try:
+                    with trio.fail_after(IDLE_TIMEOUT if not buffer else CLIENT_TIMEOUT):
+                        head, buffer = await self._read_head(stream, buffer)
+                except trio.TooSlowError:
+                    return
+                if head is None:
+                    return
+                keep_alive, buffer = await self._handle(stream, head, buffer)
+                if not keep_alive:
+                    return
+
+    async def _read_head(self, stream: trio.SocketStream, buffer: bytes) -> tuple[bytes | None, bytes]:
+        while b"\r\n\r\n" not in buffer:
+            if len(buffer) > MAX_HEAD_BYTES:
+                await self._send(stream, _plain_response(431, "request head too large", close=True))
+                return None, b""
+            chunk = await stream.receive_some(_READ)
+            if not chunk:
+                return None, b""
+            buffer += chunk
+        end = buffer.index(b"\r\n\r\n") + 4
+        if end > MAX_HEAD_BYTES:
+            await self._send(stream, _plain_response(431, "request head too large", close=True))
+            return None, b""
+        return buffer[:end], buffer[end:]
+
+    @staticmethod
+    async def _send(stream: trio.SocketStream, data: bytes) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(data)
+
+    async def _handle(self, stream: trio.SocketStream, head: bytes, rest: bytes) -> tuple[bool, bytes]:
+        """Answer one request; returns whether the connection stays open and
+        the bytes already read past this request."""
+        started = time.monotonic()
+        method, path, origin_text, bytes_in, bytes_out = "-", "-", None, 0, 0
+        try:
+            check_raw_head(head)
+            connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+            connection.receive_data(head)
+            try:
+                request = connection.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise Refusal(exc.error_status_hint, f"malformed request: {exc}", close=True) from None
+            if not isinstance(request, h11.Request):
+                raise Refusal(400, "malformed request", close=True)
+            method = request.method.decode("ascii", "replace")
+            target = request.target.decode("ascii", "replace")
+            path = urlsplit(target).path or target
+            close = _wants_close(request)
+            if request.method in (b"CONNECT", b"TRACE"):
+                raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
+            if any(name == b"upgrade" for name, _ in request.headers):
+                raise Refusal(400, "protocol upgrades are not allowed through the gateway", close=True)
+            host = [value for name, value in request.headers if name == b"host"]
+            if len(host) != 1:
+                raise Refusal(400, "the request needs exactly one Host header", close=True)
+            body, rest = await self._read_body(stream, connection, rest)
+            bytes_in = len(body)
+            allowed, upstream_target = match_origin(self.policy, host[0].decode("ascii", "replace"), target)
+            origin_text = str(allowed.origin)
+            try:
+                self._hub.limiter.acquire_nowait()
+            except trio.WouldBlock:
+                raise Refusal(503, "too many requests through the gateway at once; retry later") from None
+            try:
+                with trio.fail_after(REQUEST_DEADLINE):
+                    response = await self._exchange(allowed, request, upstream_target, body)
+            except trio.TooSlowError:
+                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s", close) from None
+            finally:
+                self._hub.limiter.release()
+            if 300 <= response.status < 400 and response.status != 304:
+                raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed", close)
+            headers = [(n, v) for n, v in response.headers if n.decode("ascii") not in HOP_BY_HOP]
+            if request.method == b"HEAD" or response.status in (204, 304):
+                data = b""
+            else:
+                headers = [(n, v) for n, v in headers if n != b"content-length"]
+                headers.append((b"content-length", str(len(response.body)).encode()))
+                data = response.body
+            bytes_out = len(data)
+            await self._send(stream, _response_head(response.status, response.reason, headers, close) + data)
+            self._audit(method, origin_text, path, response.status, bytes_in, bytes_out, started, "")
+            return not close, rest
+        except Refusal as refusal:
+            await self._send(stream, _plain_response(refusal.status, refusal.reason, refusal.close))
+            self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
+            return not refusal.close, rest
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False, b""
+        except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host
+            self._hub.report_error(exc)
+            await self._send(stream, _plain_response(502, "internal gateway error", close=True))
+            self._audit(method, origin_text, path, 502, bytes_in, 0, started, "internal gateway error")
+            return False, b""
+
+    async def _read_body(
+        self, stream: trio.SocketStream, connection: h11.Connection, rest: bytes
+    ) -> tuple[bytes, bytes]:
+        body = bytearray()
+        connection.receive_data(rest)
+        with trio.move_on_after(CLIENT_TIMEOUT) as timeout:
+            while True:
+                try:
+                    event = connection.next_event()
+                except h11.RemoteProtocolError as exc:
+                    raise Refusal(exc.error_status_hint, f"malformed request body: {exc}", close=True) from None
+                if event is h11.NEED_DATA:
+                    if connection.they_are_waiting_for_100_continue:
+                        await self._send(stream, b"HTTP/1.1 100 Continue\r\n\r\n")
+                    chunk = await stream.receive_some(_READ)
+                    connection.receive_data(chunk)
+                    if not chunk:
+                        raise Refusal(400, "the request body was cut short", close=True)
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > MAX_BODY_BYTES:
+                        raise Refusal(413, f"the request body is over {MAX_BODY_BYTES} bytes", close=True)
+                elif isinstance(event, h11.EndOfMessage):
+                    return bytes(body), connection.trailing_data[0]
+        if timeout.cancelled_caught:
+            raise Refusal(408, "the request took too long to arrive", close=True)
+        raise AssertionError("unreachable")
+
+    async def _exchange(
+        self, allowed: AllowedOrigin, request: h11.Request, target: str, body: bytes
+    ) -> UpstreamResponse:
+        origin = allowed.origin
+        try:
+            stream: trio.abc.Stream = await trio.open_tcp_stream(origin.host, origin.port)
+        except OSError as exc:
+            raise Refusal(502, f"cannot connect to {origin}: {exc.strerror or exc}") from None
+        try:
+            if origin.scheme == "https":
+                stream = trio.SSLStream(
+                    stream, self._hub.ssl_context, server_hostname=origin.host, https_compatible=True
+                )
+                try:
+                    await stream.do_handshake()
+                except (trio.BrokenResourceError, ssl.SSLError) as exc:
+                    raise Refusal(502, f"TLS with {origin} failed: {_tls_reason(exc)}") from None
+            client = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES * 4)
+            headers = upstream_headers(allowed, request)
+            if body or request.method in (b"POST", b"PUT", b"PATCH"):
+                headers.append((b"content-length", str(len(body)).encode()))
+            outgoing = client.send(h11.Request(method=request.method, target=target.encode(), headers=headers))
+            if body:
+                outgoing += client.send(h11.Data(data=body))
+            outgoing += client.send(h11.EndOfMessage())
+            try:
+                await stream.send_all(outgoing)
+                return await _read_response(stream, client)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise Refusal(502, f"{origin} closed the connection: {exc}") from None
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def _audit(
+        self, method: str, origin: str | None, path: str, status: int, bytes_in: int, bytes_out: int,
+        started: float, reason: str,
+    ) -> None:  # fmt: skip
+        self._hub.publish(
+            AuditRecord(
+                self.session_id, origin, method, path, status, bytes_in, bytes_out, time.monotonic() - started, reason
+            )
+        )
+
+
+async def _read_response(stream: trio.abc.Stream, client: h11.Connection) -> UpstreamResponse:
+    response: h11.Response | None = None
+    body = bytearray()
+    while True:
+        try:
+            event = client.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise Refusal(502, f"the upstream's response is malformed: {exc}") from None
+        if event is h11.NEED_DATA:
+            client.receive_data(await stream.receive_some(_READ))
+        elif isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > MAX_BODY_BYTES:
+                raise Refusal(502, f"the upstream's response body is over {MAX_BODY_BYTES} bytes")
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            return UpstreamResponse(response.status_code, response.reason, list(response.headers), bytes(body))
+        elif isinstance(event, h11.ConnectionClosed):
+            raise Refusal(502, "the upstream closed the connection before answering")
+        # h11.InformationalResponse (100 Continue and such): nothing to do.
+
+
+def _wants_close(request: h11.Request) -> bool:
+    tokens = {
+        token.strip().lower() for name, value in request.headers if name == b"connection" for token in value.split(b",")
+    }
+    if request.http_version == b"1.0":
+        return b"keep-alive" not in tokens
+    return b"close" in tokens
+
+
+def _tls_reason(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or type(cause).__name__
+
+
+class SessionNetwork:
+    """Keeps a session's gateway in step with its network policy: running
+    while the policy is an allow-list, gone otherwise. Gateways run in the
+    nursery of whoever owns the session (a backend, or open_sandbox)."""
+
+    def __init__(self, hub: GatewayHub, nursery: trio.Nursery, session_id: str) -> None:
+        self._hub = hub
+        self._nursery = nursery
+        self._session_id = session_id
+        self.gateway: Gateway | None = None
+
+    async def prepare(self, policy: NetworkPolicy) -> Path | None:
+        """Make the gateway ready for ``policy``; returns the socket to bind
+        into the guest, or None when the policy needs no gateway."""
+        if not policy.needs_gateway:
+            return None
+        if self.gateway is None:
+            gateway = Gateway(self._hub, self._session_id, policy)
+            await self._nursery.start(gateway.run)
+            self.gateway = gateway
+        else:
+            self.gateway.update(policy)
+        return self.gateway.socket_path
+
+    async def apply(self, driver, policy: NetworkPolicy) -> None:
+        """Change a session's policy: gateway first (so the driver can bind
+        its socket), then the driver, then drop a gateway no longer needed."""
+        socket_path = await self.prepare(policy)
+        await driver.set_network(policy, socket_path)
+        if socket_path is None:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        gateway, self.gateway = self.gateway, None
+        if gateway is not None:
+            with trio.CancelScope(shield=True):
+                await gateway.aclose()
+
+
+@contextlib.asynccontextmanager
+async def service_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery for gateways that runs around a caller's block. Whatever the
+    block raises comes out as itself, not wrapped in an ExceptionGroup, as
+    callers of open_sandbox() and open_backend() expect."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

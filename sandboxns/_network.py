@@ -1,0 +1,182 @@
+"""Network policies: what a session's guests may reach.
+
+* ``"deny-all"``: the session's own network namespace with only ``lo``.
+* ``"allow-all"``: the host's network, shared.
+* ``{"allow": [{"origin": "https://api.example.com", "headers": {...}}]}``:
+  still an isolated namespace; the only way out is HTTP through the egress
+  gateway (see _gateway.py), to exactly these origins, with these headers
+  injected.
+
+A policy object never shows its header values: not in ``repr``, not in an
+error message. They are credentials, and they live only in host memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from ._errors import ErrorCode, SandboxError
+
+PolicyKind = Literal["deny-all", "allow-all", "allow"]
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# RFC 9110 token characters.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Headers a policy may not set: they frame or route the message, which the
+# gateway does itself.
+FORBIDDEN_HEADERS = frozenset(
+    {"host", "connection", "content-length", "transfer-encoding", "te", "trailer", "upgrade", "keep-alive"}
+)
+CREDENTIAL_HEADERS = frozenset({"cookie", "authorization", "proxy-authorization"})
+
+
+def _invalid(message: str) -> SandboxError:
+    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """A canonical HTTP(S) origin: scheme, lower-case host without a
+    trailing dot, effective port."""
+
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.port == DEFAULT_PORTS[self.scheme]:
+            return f"{self.scheme}://{host}"
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def host_header(self) -> str:
+        """The Host header an upstream expects for this origin."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
+
+
+def canonical_host(host: str) -> str:
+    """Lower case, without the trailing dot of a fully qualified name."""
+    host = host.lower()
+    return host.removesuffix(".")
+
+
+def parse_origin(text: object, what: str = "origin") -> Origin:
+    """``scheme://host[:port]`` with nothing else; refuses anything that is
+    not exactly an origin."""
+    if not isinstance(text, str) or not text or any(c in text for c in "\0\r\n\t \\"):
+        raise _invalid(f"{what} must be an origin like 'https://api.example.com', not {text!r}")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise _invalid(f"{what} {text!r} is not a valid origin: {exc}") from None
+    if parts.scheme not in DEFAULT_PORTS:
+        raise _invalid(f"{what} {text!r} must use http or https")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise _invalid(f"{what} {text!r} must not contain user information")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or text.endswith(("?", "#")):
+        raise _invalid(f"{what} {text!r} must not have a path, query or fragment")
+    host = parts.hostname or ""
+    if not host or "*" in host or not re.fullmatch(r"[A-Za-z0-9.\-:_]+", host) or host.startswith("."):
+        raise _invalid(f"{what} {text!r} must name one host (no wildcards)")
+    if port == 0:
+        raise _invalid(f"{what} {text!r} has an invalid port")
+    return Origin(parts.scheme, canonical_host(host), port if port is not None else DEFAULT_PORTS[parts.scheme])
+
+
+@dataclass(frozen=True, repr=False)
+class AllowedOrigin:
+    origin: Origin
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def injects_credentials(self) -> bool:
+        return bool(self.headers)
+
+    def __repr__(self) -> str:
+        names = ", ".join(name for name, _ in self.headers)
+        return f"AllowedOrigin({str(self.origin)!r}, headers=[{names}])"
+
+
+@dataclass(frozen=True, repr=False)
+class NetworkPolicy:
+    """A checked network policy (see the module docstring)."""
+
+    kind: PolicyKind
+    allowed: tuple[AllowedOrigin, ...] = field(default=())
+
+    @property
+    def shares_host_network(self) -> bool:
+        return self.kind == "allow-all"
+
+    @property
+    def needs_gateway(self) -> bool:
+        return self.kind == "allow"
+
+    def __repr__(self) -> str:
+        if self.kind != "allow":
+            return f"NetworkPolicy({self.kind!r})"
+        return f"NetworkPolicy(allow={list(self.allowed)!r})"
+
+
+DENY_ALL = NetworkPolicy("deny-all")
+
+
+def _check_headers(headers: object, where: str) -> tuple[tuple[str, str], ...]:
+    if headers is None:
+        return ()
+    if not isinstance(headers, Mapping):
+        raise _invalid(f"{where}.headers must map header names to values")
+    checked: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise _invalid(f"{where}.headers: {name!r} is not a valid header name")
+        lower = name.lower()
+        if lower in FORBIDDEN_HEADERS or lower.startswith("proxy-"):
+            raise _invalid(f"{where}.headers: {name!r} frames or routes the request and cannot be injected")
+        if lower in checked:
+            raise _invalid(f"{where}.headers: {name!r} is given twice")
+        # The value is a credential: say what is wrong with it, never what it is.
+        if not isinstance(value, str):
+            raise _invalid(f"{where}.headers[{name!r}] must be a string")
+        if any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in value):
+            raise _invalid(f"{where}.headers[{name!r}] contains a control character (CR, LF, NUL, ...)")
+        checked[lower] = value
+    return tuple(checked.items())
+
+
+def check_network_policy(policy: object) -> NetworkPolicy:
+    """Validate a network policy as callers give it; an already checked
+    :class:`NetworkPolicy` passes through."""
+    if isinstance(policy, NetworkPolicy):
+        return policy
+    if policy == "deny-all":
+        return DENY_ALL
+    if policy == "allow-all":
+        return NetworkPolicy("allow-all")
+    if not isinstance(policy, Mapping):
+        raise _invalid(f"network policy must be 'deny-all', 'allow-all' or {{'allow': [...]}}, not {policy!r}")
+    unknown = set(policy) - {"allow"}
+    if unknown:
+        raise _invalid(f"network policy has unknown keys {sorted(map(str, unknown))}; only 'allow' is known")
+    entries = policy.get("allow")
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple)):
+        raise _invalid("network policy 'allow' must be a list of {'origin': ..., 'headers': {...}}")
+    allowed: list[AllowedOrigin] = []
+    for index, entry in enumerate(entries):
+        where = f"allow[{index}]"
+        if not isinstance(entry, Mapping):
+            raise _invalid(f"{where} must be a mapping with 'origin' and optional 'headers'")
+        extra = set(entry) - {"origin", "headers"}
+        if extra:
+            raise _invalid(f"{where} has unknown keys {sorted(map(str, extra))}")
+        origin = parse_origin(entry.get("origin"), f"{where}.origin")
+        if any(existing.origin == origin for existing in allowed):
+            raise _invalid(f"{where}.origin {str(origin)!r} is allowed twice")
+        allowed.append(AllowedOrigin(origin, _check_headers(entry.get("headers"), where)))
+    return NetworkPolicy("allow", tuple(allowed))
