@@ -365,7 +365,7 @@ class Gateway:
             try:
                 request = connection.next_event()
             except h11.RemoteProtocolError as exc:
-                raise Refusal(exc.error_status_hint, f"malformed request: {exc}", close=True) from None
+                raise Refusal(_client_error(exc), f"malformed request: {exc}", close=True) from None
             if not isinstance(request, h11.Request):
                 raise Refusal(400, "malformed request", close=True)
             method = request.method.decode("ascii", "replace")
@@ -429,7 +429,7 @@ class Gateway:
                 try:
                     event = connection.next_event()
                 except h11.RemoteProtocolError as exc:
-                    raise Refusal(exc.error_status_hint, f"malformed request body: {exc}", close=True) from None
+                    raise Refusal(_client_error(exc), f"malformed request body: {exc}", close=True) from None
                 if event is h11.NEED_DATA:
                     if connection.they_are_waiting_for_100_continue:
                         await self._send(stream, b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -513,6 +513,11 @@ async def _read_response(stream: trio.abc.Stream, client: h11.Connection) -> Ups
         elif isinstance(event, h11.ConnectionClosed):
             raise Refusal(502, "the upstream closed the connection before answering")
         # h11.InformationalResponse (100 Continue and such): nothing to do.
+
+
+def _client_error(exc: h11.RemoteProtocolError) -> int:
+    """The guest's mistake is always a 4xx, whatever h11 suggests."""
+    return exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
 
 
 def _wants_close(request: h11.Request) -> bool:

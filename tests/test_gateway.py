@@ -1,0 +1,382 @@
+"""Network policies end to end: guests on both drivers, the egress gateway,
+and loopback upstreams A (allowed) and B (never allowed), over HTTP and
+HTTPS (a trustme CA)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+
+import pytest
+import trio
+import trustme
+from upstream import Upstream, start_upstream
+
+import sandboxns
+from sandboxns import ErrorCode, SandboxError
+
+pytestmark = pytest.mark.smoke
+
+SECRET = "Bearer s3cr3t-policy-value-7f3a"
+
+# The guest's client: raw bytes from stdin to the gateway socket, the raw
+# answer to stdout. Raw, so tests can send what no HTTP library would.
+CLIENT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect("/run/sandboxns-network.sock")
+try:
+    s.sendall(sys.stdin.buffer.read())
+    s.shutdown(socket.SHUT_WR)
+except BrokenPipeError:  # the gateway refused before reading it all
+    pass
+while chunk := s.recv(65536):
+    sys.stdout.buffer.write(chunk)
+"""
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+async def upstreams(nursery, ca):
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    a = await start_upstream(nursery, "http")
+    b = await start_upstream(nursery, "http")
+    a_tls = await start_upstream(nursery, "https", server_context)
+    return a, b, a_tls
+
+
+@pytest.fixture
+def client_context(ca) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+def policy_for(*upstreams: Upstream, headers: dict | None = None) -> dict:
+    return {"allow": [{"origin": u.origin, "headers": headers or {"authorization": SECRET}} for u in upstreams]}
+
+
+def http(method: str, target: str, host: str, *headers: str, body: bytes = b"") -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", *headers]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def send(session: sandboxns.Session, raw: bytes) -> list[tuple[int, bytes]]:
+    """Send raw bytes from inside the guest; (status, body) of each answer."""
+    result = await session.run("python3", ["-c", CLIENT], stdin=raw, timeout=20)
+    assert result.exit_code == 0, result.stderr
+    answers, data = [], result.stdout_bytes
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if status == 100:
+            continue
+        answers.append((status, data[:length]))
+        data = data[length:]
+    return answers
+
+
+@pytest.fixture
+async def gateway_session(driver_name, workspace, upstreams, client_context):
+    a, b, a_tls = upstreams
+    async with sandboxns.open_sandbox(
+        workspace, driver=driver_name, network=policy_for(a, a_tls), upstream_ssl_context=client_context
+    ) as session:
+        yield session
+
+
+async def test_allowed_origin_gets_the_policy_header_instead_of_the_guests(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    raw = http("GET", "/resource?x=1", a.host, "Authorization: guest-token", "Cookie: c=1", "X-Kept: yes")
+    [(status, body)] = await send(gateway_session, raw)
+    assert status == 200 and body == b"hello from upstream: GET /resource?x=1"
+    [received] = a.requests
+    assert received.headers["authorization"] == SECRET
+    assert "cookie" not in received.headers
+    assert received.headers["x-kept"] == "yes"
+    assert received.headers["host"] == a.host
+
+
+async def test_https_upstream_is_verified_and_gets_the_header(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    [(status, body)] = await send(gateway_session, http("POST", "/upload", a_tls.host, body=b"payload"))
+    assert status == 200, body
+    [received] = a_tls.requests
+    assert received.headers["authorization"] == SECRET and received.body == b"payload"
+
+
+async def test_untrusted_https_upstream_is_refused(driver_name, workspace, upstreams):
+    a, b, a_tls = upstreams
+    # The system trust store does not know the test CA.
+    async with sandboxns.open_sandbox(workspace, driver=driver_name, network=policy_for(a_tls)) as session:
+        [(status, body)] = await send(session, http("GET", "/", a_tls.host))
+    assert status == 502 and b"TLS" in body
+    assert a_tls.requests == []
+
+
+async def test_other_origins_are_refused_and_see_nothing(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    for raw in (
+        http("GET", "/", b.host),
+        http("GET", f"http://{b.host}/", a.host),  # Host A, absolute URI of B
+        http("GET", f"http://{a.host}/", b.host),  # and the reverse
+        http("GET", f"http://{a_tls.host}/", a_tls.host),  # A_tls is allowed as https only
+        http("GET", "/", f"localhost:{b.port + 1}"),
+    ):
+        [(status, _)] = await send(gateway_session, raw)
+        assert status == 403, raw
+    assert b.connections == 0 and a.requests == [] and a_tls.requests == []
+
+
+async def test_every_request_on_a_connection_is_judged_on_its_own(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    answers = await send(gateway_session, http("GET", "/one", a.host) + http("GET", "/two", b.host))
+    assert [status for status, _ in answers] == [200, 403]
+    assert b.connections == 0
+
+
+async def test_origin_spellings_are_canonical(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    for host in (a.host, a.host.upper(), f"localhost.:{a.port}"):
+        [(status, _)] = await send(gateway_session, http("GET", "/", host))
+        assert status == 200, host
+    [(status, _)] = await send(gateway_session, http("GET", f"HTTPS://LOCALHOST.:{a_tls.port}/x", a_tls.host))
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST / HTTP/1.1\r\nHost: {host}\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: {host}\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+        b"GET / HTTP/1.1\r\nHost: {host}\r\nX-Injected: a\r\nX-Other: b\nEvil: c\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: {host}\r\nX-Folded: a\r\n b\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: {host}\r\nX-Nul: a\0b\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+        b"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n",
+        b"TRACE / HTTP/1.1\r\nHost: {host}\r\n\r\n",
+    ],
+    ids=["cl+te", "duplicate-cl", "bare-lf", "obs-fold", "nul", "te-not-chunked", "upgrade", "connect", "trace"],
+)
+async def test_ambiguous_or_tunnelling_requests_are_refused_and_the_connection_closed(gateway_session, upstreams, raw):
+    a, b, a_tls = upstreams
+    # The valid request after the bad one never gets an answer.
+    answers = await send(gateway_session, raw.replace(b"{host}", a.host.encode()) + http("GET", "/", a.host))
+    assert len(answers) == 1 and 400 <= answers[0][0] < 500, answers
+    assert a.requests == []
+
+
+async def test_redirects_are_not_followed(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    a.reply = lambda request: (302, [("location", f"http://{b.host}/stolen")], b"")
+    [(status, body)] = await send(gateway_session, http("GET", "/", a.host))
+    assert status == 502 and b"redirect" in body
+    assert b.connections == 0
+
+
+async def test_bodies_over_a_mebibyte_are_refused_both_ways(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    [(status, _)] = await send(gateway_session, http("POST", "/", a.host, body=b"x" * (2 * 1024 * 1024)))
+    assert status == 413 and a.requests == []
+    a.reply = lambda request: (200, [], b"y" * (2 * 1024 * 1024))
+    [(status, body)] = await send(gateway_session, http("GET", "/", a.host))
+    assert status == 502 and b"over" in body
+
+
+async def test_the_seventeenth_concurrent_request_gets_503(gateway_session, upstreams, workspace):
+    a, b, a_tls = upstreams
+    a.hold = trio.Event()
+    results: list[int] = []
+
+    async def one() -> None:
+        [(status, _)] = await send(gateway_session, http("GET", "/slow", a.host))
+        results.append(status)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(16):
+            nursery.start_soon(one)
+        with trio.fail_after(30):
+            await a.wait_for_waiting(16)
+        [(status, _)] = await send(gateway_session, http("GET", "/seventeenth", a.host))
+        assert status == 503
+        a.hold.set()
+    assert results == [200] * 16
+
+
+async def test_the_secret_never_reaches_the_guest_the_disk_or_the_log(
+    driver_name, tmp_path, workspace, upstreams, client_context, caplog
+):
+    a, b, a_tls = upstreams
+    caplog.set_level(logging.DEBUG)
+    state_dir = tmp_path / "state"
+    async with sandboxns.open_backend(
+        driver=driver_name, state_directory=state_dir, upstream_ssl_context=client_context
+    ) as backend:
+        template = await backend.prewarm(template="t", files={})
+        handle = await backend.create(template=template.template_key, network=policy_for(a, a_tls))
+        [(status, _)] = await send(handle.session, http("GET", "/", a.host))
+        assert status == 200
+        probe = await handle.session.run(
+            "sh", ["-c", "env; cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null; ls -la /run"]
+        )
+        state = handle.capture_state()
+        assert SECRET not in repr(handle.session.network)
+        await handle.stop()
+    assert SECRET not in probe.stdout
+    assert SECRET not in str(state)
+    for path in state_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in caplog.text
+    assert any(record.name == "sandboxns.gateway" for record in caplog.records)
+
+
+async def test_audit_records(driver_name, tmp_path, upstreams):
+    a, b, a_tls = upstreams
+    async with sandboxns.open_backend(driver=driver_name, state_directory=tmp_path / "state") as backend:
+        template = await backend.prewarm(template="t", files={})
+        handle = await backend.create(template=template.template_key, network=policy_for(a))
+        async with backend.audit_records() as records:
+            await send(handle.session, http("POST", "/in?q=1", a.host, body=b"12345"))
+            await send(handle.session, http("GET", "/x", b.host))
+            first, second = await records.receive(), await records.receive()
+    assert (first.origin, first.method, first.path, first.status, first.bytes_in) == (a.origin, "POST", "/in", 200, 5)
+    assert first.bytes_out > 0 and first.session_id == handle.session_id
+    assert (second.origin, second.status) == (None, 403) and "not an allowed origin" in second.reason
+
+
+async def test_policy_changes(driver_name, workspace, upstreams):
+    a, b, a_tls = upstreams
+    async with sandboxns.open_sandbox(workspace, driver=driver_name) as session:
+        probe = await session.run("sh", ["-c", "test -e /run/sandboxns-network.sock && echo present || echo absent"])
+        assert probe.stdout == "absent\n"  # deny-all: no socket at all
+        await session.set_network_policy(policy_for(a))
+        [(status, _)] = await send(session, http("GET", "/", a.host))
+        assert status == 200
+        await session.set_network_policy(policy_for(b))
+        [(status, _)] = await send(session, http("GET", "/", a.host))
+        assert status == 403
+        fifo = workspace / "started"
+        os.mkfifo(fifo)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run, "sh", ["-c", "echo > started; sleep 0.5"])
+            await trio.to_thread.run_sync(fifo.read_bytes)
+            with pytest.raises(SandboxError) as error:
+                await session.set_network_policy("allow-all")
+            assert error.value.code == ErrorCode.SANDBOX_BUSY
+        await session.set_network_policy("allow-all")
+        result = await session.run(
+            "python3",
+            ["-c", f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{a.port}/').status)"],
+        )
+        assert result.stdout == "200\n"
+        await session.set_network_policy("deny-all")
+        probe = await session.run("sh", ["-c", "test -e /run/sandboxns-network.sock && echo present || echo absent"])
+        assert probe.stdout == "absent\n"
+
+
+async def test_deny_all_reaches_nothing(session, upstreams):
+    a, b, a_tls = upstreams
+    script = f"""
+import socket
+for attempt in (
+    lambda: socket.create_connection(("127.0.0.1", {a.port}), timeout=2),
+    lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53)),
+    lambda: socket.getaddrinfo("example.com", 80),
+):
+    try:
+        attempt()
+        print("reached")
+    except OSError as exc:
+        print("refused", type(exc).__name__)
+"""
+    result = await session.run("python3", ["-c", script])
+    assert result.stdout.count("refused") == 3, result.stdout
+    assert a.connections == 0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"allow": [{"origin": "https://a.example/path"}]},
+        {"allow": [{"origin": "https://user@a.example"}]},
+        {"allow": [{"origin": "https://*.example"}]},
+        {"allow": [{"origin": "ftp://a.example"}]},
+        {"allow": [{"origin": "https://a.example"}, {"origin": "https://A.example:443"}]},
+        {"allow": [{"origin": "https://a.example", "headers": {"Host": "x"}}]},
+        {"allow": [{"origin": "https://a.example", "headers": {"X-Token": "a\r\nb"}}]},
+        {"allow": [{"origin": "https://a.example", "headers": {"Bad Name": "x"}}]},
+        {"allow": "https://a.example"},
+        {"deny": []},
+        "allow-some",
+    ],
+)
+async def test_bad_policies_are_refused(session, policy):
+    with pytest.raises(SandboxError) as error:
+        await session.set_network_policy(policy)
+    assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    assert "a\r\nb" not in error.value.message
+    assert session.network.kind == "deny-all"  # nothing changed
+
+
+def test_matching_normalises_origins():
+    from sandboxns._gateway import Refusal, match_origin
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy(
+        {"allow": [{"origin": "https://api.example.com"}, {"origin": "http://api.example.com:8080"}]}
+    )
+    for host, target in (
+        ("api.example.com", "/v1"),
+        ("API.Example.COM.", "/v1"),
+        ("api.example.com:443", "/v1"),
+        ("api.example.com", "https://api.example.com:443/v1"),
+    ):
+        allowed, path = match_origin(policy, host, target)
+        assert (str(allowed.origin), path) == ("https://api.example.com", "/v1")
+    assert str(match_origin(policy, "api.example.com:8080", "/")[0].origin) == "http://api.example.com:8080"
+    for host, target in (
+        ("api.example.com:80", "/"),
+        ("other.example.com", "/"),
+        ("api.example.com", "http://api.example.com/"),
+    ):
+        with pytest.raises(Refusal):
+            match_origin(policy, host, target)
+
+
+def test_policy_repr_hides_header_values():
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy({"allow": [{"origin": "https://a.example", "headers": {"Authorization": SECRET}}]})
+    assert SECRET not in repr(policy) and "authorization" in repr(policy)
+
+
+async def test_internal_errors_go_to_the_host_callback_not_the_guest(driver_name, workspace, upstreams, monkeypatch):
+    a, b, a_tls = upstreams
+    from sandboxns import _gateway
+
+    async def broken(*args):
+        raise RuntimeError("internal detail the guest must not see")
+
+    monkeypatch.setattr(_gateway.Gateway, "_exchange", broken)
+    seen: list[BaseException] = []
+    async with sandboxns.open_sandbox(
+        workspace, driver=driver_name, network=policy_for(a), on_broker_error=seen.append
+    ) as session:
+        [(status, body)] = await send(session, http("GET", "/", a.host))
+    assert status == 502 and b"internal detail" not in body
+    assert [str(exc) for exc in seen] == ["internal detail the guest must not see"]
