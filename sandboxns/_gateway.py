@@ -72,6 +72,12 @@ HOP_BY_HOP = frozenset(
     }
 )
 _READ = 65536
+# Closing after a refusal, how long and how much of the guest's unread input
+# to drain first.
+LINGER_TIMEOUT = 2.0
+LINGER_BYTES = 4 * MAX_BODY_BYTES
+# How long an upstream's resolved address is reused.
+ADDRESS_TTL = 30.0
 
 logger = logging.getLogger("sandboxns.gateway")
 
@@ -107,6 +113,26 @@ class GatewayHub:
         self.limiter = trio.CapacityLimiter(max_concurrent_requests)
         self._subscribers: set[trio.MemorySendChannel] = set()
         self.dropped_records = 0
+        # (host, port) -> (address that answered, until when to trust it)
+        self._addresses: dict[tuple[str, int], tuple[str, float]] = {}
+
+    async def connect(self, origin: Origin) -> trio.SocketStream:
+        """A TCP connection to an origin. The address that answered last
+        time is tried first, as a number, so most requests skip the
+        resolver (a worker-thread round trip) and happy eyeballs."""
+        key = (origin.host, origin.port)
+        known = self._addresses.get(key)
+        if known is not None and known[1] > time.monotonic():
+            try:
+                return await trio.open_tcp_stream(known[0], origin.port)
+            except OSError:
+                del self._addresses[key]
+        try:
+            stream = await trio.open_tcp_stream(origin.host, origin.port)
+        except OSError as exc:
+            raise Refusal(502, f"cannot connect to {origin}: {exc.strerror or exc}") from None
+        self._addresses[key] = (stream.socket.getpeername()[0], time.monotonic() + ADDRESS_TTL)
+        return stream
 
     def report_error(self, exc: BaseException) -> None:
         if self.on_error is None:
@@ -118,6 +144,18 @@ class GatewayHub:
             logger.exception("on_broker_error raised")
 
     def publish(self, record: AuditRecord) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            self._log(record)
+        for channel in list(self._subscribers):
+            try:
+                channel.send_nowait(record)
+            except trio.WouldBlock:
+                self.dropped_records += 1
+            except trio.BrokenResourceError:
+                self._subscribers.discard(channel)
+
+    @staticmethod
+    def _log(record: AuditRecord) -> None:
         logger.info(
             "%s %s %s%s -> %d (%d bytes in, %d out, %.1f ms)%s",
             record.session_id,
@@ -131,13 +169,6 @@ class GatewayHub:
             f": {record.reason}" if record.reason else "",
             extra={"sandboxns_audit": asdict(record)},
         )
-        for channel in list(self._subscribers):
-            try:
-                channel.send_nowait(record)
-            except trio.WouldBlock:
-                self.dropped_records += 1
-            except trio.BrokenResourceError:
-                self._subscribers.discard(channel)
 
     @contextlib.asynccontextmanager
     async def audit_records(self, buffer: int = 1000) -> AsyncIterator[trio.MemoryReceiveChannel]:
@@ -331,6 +362,7 @@ class Gateway:
                     return
                 keep_alive, buffer = await self._handle(stream, head, buffer)
                 if not keep_alive:
+                    await _linger(stream)
                     return
 
     async def _read_head(self, stream: trio.SocketStream, buffer: bytes) -> tuple[bytes | None, bytes]:
@@ -451,10 +483,7 @@ class Gateway:
         self, allowed: AllowedOrigin, request: h11.Request, target: str, body: bytes
     ) -> UpstreamResponse:
         origin = allowed.origin
-        try:
-            stream: trio.abc.Stream = await trio.open_tcp_stream(origin.host, origin.port)
-        except OSError as exc:
-            raise Refusal(502, f"cannot connect to {origin}: {exc.strerror or exc}") from None
+        stream: trio.abc.Stream = await self._hub.connect(origin)
         try:
             if origin.scheme == "https":
                 stream = trio.SSLStream(
@@ -513,6 +542,18 @@ async def _read_response(stream: trio.abc.Stream, client: h11.Connection) -> Ups
         elif isinstance(event, h11.ConnectionClosed):
             raise Refusal(502, "the upstream closed the connection before answering")
         # h11.InformationalResponse (100 Continue and such): nothing to do.
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Close gently: say we are done, then read and drop what the guest is
+    still sending (the rest of a refused body) for a moment, so it reads our
+    answer instead of a connection reset."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        await stream.send_eof()
+        drained = 0
+        with trio.move_on_after(LINGER_TIMEOUT):
+            while drained < LINGER_BYTES and (chunk := await stream.receive_some(_READ)):
+                drained += len(chunk)
 
 
 def _client_error(exc: h11.RemoteProtocolError) -> int:
