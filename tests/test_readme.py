@@ -1,4 +1,5 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written: every ```python block is a
+whole program (```py marks a fragment)."""
 
 from __future__ import annotations
 
