@@ -104,9 +104,14 @@ while True:
 """
 
 
-def hammer(files: WorkspaceFiles, operations: int) -> Counter:
+def hammer(files: WorkspaceFiles, minimum: int, most: int = 500_000) -> Counter:
+    """Read and write through the swapping path at least ``minimum`` times,
+    and on until both sides of the race have been seen (the guest may be
+    scheduled late), but never more than ``most`` times."""
     outcomes: Counter = Counter()
-    for i in range(operations):
+    for i in range(most):
+        if i >= minimum and outcomes["done"] and outcomes[ErrorCode.SANDBOX_PATH_REFUSED]:
+            break
         try:
             if i % 2:
                 files.write_bytes("/workspace/d/f", b"inside-%d" % i)
