@@ -380,3 +380,23 @@ async def test_internal_errors_go_to_the_host_callback_not_the_guest(driver_name
         [(status, body)] = await send(session, http("GET", "/", a.host))
     assert status == 502 and b"internal detail" not in body
     assert [str(exc) for exc in seen] == ["internal detail the guest must not see"]
+
+
+async def test_a_slow_or_silent_client_is_cut_off(gateway_session, upstreams, monkeypatch):
+    a, b, a_tls = upstreams
+    from sandboxns import _gateway
+
+    monkeypatch.setattr(_gateway, "CLIENT_TIMEOUT", 0.3)
+    monkeypatch.setattr(_gateway, "IDLE_TIMEOUT", 0.3)
+    slowloris = """
+import socket
+s = socket.socket(socket.AF_UNIX)
+s.connect("/run/sandboxns-network.sock")
+s.sendall(b"GET / HTTP/1.1\\r\\nHost: x")  # and never the rest
+print("closed" if s.recv(100) == b"" else "answered")
+idle = socket.socket(socket.AF_UNIX)
+idle.connect("/run/sandboxns-network.sock")
+print("closed" if idle.recv(100) == b"" else "answered")
+"""
+    result = await gateway_session.run("python3", ["-c", slowloris], timeout=10)
+    assert result.stdout.split() == ["closed", "closed"], result
