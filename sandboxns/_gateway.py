@@ -31,6 +31,7 @@ log record or in an error message. Each request leaves an audit record (see
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -72,6 +73,11 @@ HOP_BY_HOP = frozenset(
     }
 )
 _READ = 65536
+# Connections one session's gateway serves at once; more are closed at once.
+# Each may hold a request and a response body, so this bounds its memory.
+MAX_CONNECTIONS = 32
+ACCEPT_BACKOFF = 0.1
+_ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
 # Closing after a refusal, how long and how much of the guest's unread input
 # to drain first.
 LINGER_TIMEOUT = 2.0
@@ -126,7 +132,7 @@ class GatewayHub:
             try:
                 return await trio.open_tcp_stream(known[0], origin.port)
             except OSError:
-                del self._addresses[key]
+                self._addresses.pop(key, None)
         try:
             stream = await trio.open_tcp_stream(origin.host, origin.port)
         except OSError as exc:
@@ -282,7 +288,7 @@ def upstream_headers(allowed: AllowedOrigin, request: h11.Request) -> list[tuple
         if allowed.injects_credentials and text in CREDENTIAL_HEADERS:
             continue
         headers.append((name, value))
-    headers += [(name.encode(), value.encode()) for name, value in allowed.headers]
+    headers += [(name.encode(), value.encode("latin-1")) for name, value in allowed.headers]
     return headers
 
 
@@ -322,6 +328,7 @@ class Gateway:
         self.socket_path = self._directory / "gateway.sock"
         self._cancel = trio.CancelScope()
         self._done = trio.Event()
+        self._connections = 0
 
     def update(self, policy: NetworkPolicy) -> None:
         self.policy = policy
@@ -337,7 +344,18 @@ class Gateway:
                     task_status.started()
                     async with trio.open_nursery() as nursery:
                         while True:
-                            connection, _ = await listener.accept()
+                            try:
+                                connection, _ = await listener.accept()
+                            except OSError as exc:
+                                if exc.errno not in _ACCEPT_TRANSIENT:
+                                    raise
+                                # Out of fds or memory: wait rather than die.
+                                await trio.sleep(ACCEPT_BACKOFF)
+                                continue
+                            if self._connections >= MAX_CONNECTIONS:
+                                connection.close()  # the guest sees the connection end at once
+                                continue
+                            self._connections += 1
                             nursery.start_soon(self._serve, trio.SocketStream(connection))
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
@@ -349,21 +367,39 @@ class Gateway:
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         """One guest connection: requests one after another, until either
-        side closes it or a request says to."""
+        side closes it or a request says to. Nothing a guest does here may
+        escape this task: that would stop every session's gateway."""
+        try:
+            async with stream:
+                await self._requests(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            pass  # the guest hung up, or stopped reading its answers
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._report(exc)
+        finally:
+            self._connections -= 1
+
+    async def _requests(self, stream: trio.SocketStream) -> None:
         buffer = b""
-        async with stream:
-            while True:
-                try:
-                    with trio.fail_after(IDLE_TIMEOUT if not buffer else CLIENT_TIMEOUT):
-                        head, buffer = await self._read_head(stream, buffer)
-                except trio.TooSlowError:
-                    return
-                if head is None:
-                    return
-                keep_alive, buffer = await self._handle(stream, head, buffer)
-                if not keep_alive:
-                    await _linger(stream)
-                    return
+        while True:
+            with trio.move_on_after(IDLE_TIMEOUT if not buffer else CLIENT_TIMEOUT) as waiting:
+                head, buffer = await self._read_head(stream, buffer)
+            if waiting.cancelled_caught or head is None:
+                return  # idle, too slow to send a request head, or gone
+            keep_alive, buffer = await self._handle(stream, head, buffer)
+            if not keep_alive:
+                await _linger(stream)
+                return
+
+    def _report(self, exc: BaseException) -> None:
+        """Hand an internal error to the host, unless its text would carry
+        one of the policy's header values: then only say that it did."""
+        text = f"{exc!r} {exc}"
+        if any(value and value in text for allowed in self.policy.allowed for _, value in allowed.headers):
+            exc = RuntimeError(
+                f"internal gateway error ({type(exc).__name__}; details withheld: they held a credential)"
+            )
+        self._hub.report_error(exc)
 
     async def _read_head(self, stream: trio.SocketStream, buffer: bytes) -> tuple[bytes | None, bytes]:
         while b"\r\n\r\n" not in buffer:
@@ -382,7 +418,9 @@ class Gateway:
 
     @staticmethod
     async def _send(stream: trio.SocketStream, data: bytes) -> None:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        """Write to the guest, which gets CLIENT_TIMEOUT to take it; a guest
+        that does not read is not allowed to hold its buffers forever."""
+        with trio.fail_after(CLIENT_TIMEOUT):
             await stream.send_all(data)
 
     async def _handle(self, stream: trio.SocketStream, head: bytes, rest: bytes) -> tuple[bool, bytes]:
@@ -404,17 +442,27 @@ class Gateway:
             target = request.target.decode("ascii", "replace")
             path = urlsplit(target).path or target
             close = _wants_close(request)
-            if request.method in (b"CONNECT", b"TRACE"):
+            if request.method.upper() in (b"CONNECT", b"TRACE"):
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
             if any(name == b"upgrade" for name, _ in request.headers):
                 raise Refusal(400, "protocol upgrades are not allowed through the gateway", close=True)
             host = [value for name, value in request.headers if name == b"host"]
             if len(host) != 1:
                 raise Refusal(400, "the request needs exactly one Host header", close=True)
+            try:
+                allowed, upstream_target = match_origin(self.policy, host[0].decode("ascii", "replace"), target)
+            except Refusal as refusal:
+                # Refused before its body is read, so a refused request
+                # never buffers one; with a body to skip, the connection ends.
+                if _has_body(request):
+                    refusal.close = True
+                else:
+                    _, rest = await self._read_body(stream, connection, rest)
+                raise
+            origin_text = str(allowed.origin)
+            path = urlsplit(upstream_target).path
             body, rest = await self._read_body(stream, connection, rest)
             bytes_in = len(body)
-            allowed, upstream_target = match_origin(self.policy, host[0].decode("ascii", "replace"), target)
-            origin_text = str(allowed.origin)
             try:
                 self._hub.limiter.acquire_nowait()
             except trio.WouldBlock:
@@ -428,7 +476,7 @@ class Gateway:
                 self._hub.limiter.release()
             if 300 <= response.status < 400 and response.status != 304:
                 raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed", close)
-            headers = [(n, v) for n, v in response.headers if n.decode("ascii") not in HOP_BY_HOP]
+            headers = _end_to_end(response.headers)
             if request.method == b"HEAD" or response.status in (204, 304):
                 data = b""
             else:
@@ -443,10 +491,10 @@ class Gateway:
             await self._send(stream, _plain_response(refusal.status, refusal.reason, refusal.close))
             self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
             return not refusal.close, rest
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False, b""
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            return False, b""  # the guest hung up or does not read its answers
         except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host
-            self._hub.report_error(exc)
+            self._report(exc)
             await self._send(stream, _plain_response(502, "internal gateway error", close=True))
             self._audit(method, origin_text, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
@@ -456,6 +504,7 @@ class Gateway:
     ) -> tuple[bytes, bytes]:
         body = bytearray()
         connection.receive_data(rest)
+        continued = False
         with trio.move_on_after(CLIENT_TIMEOUT) as timeout:
             while True:
                 try:
@@ -463,7 +512,8 @@ class Gateway:
                 except h11.RemoteProtocolError as exc:
                     raise Refusal(_client_error(exc), f"malformed request body: {exc}", close=True) from None
                 if event is h11.NEED_DATA:
-                    if connection.they_are_waiting_for_100_continue:
+                    if connection.they_are_waiting_for_100_continue and not continued:
+                        continued = True
                         await self._send(stream, b"HTTP/1.1 100 Continue\r\n\r\n")
                     chunk = await stream.receive_some(_READ)
                     connection.receive_data(chunk)
@@ -497,10 +547,14 @@ class Gateway:
             headers = upstream_headers(allowed, request)
             if body or request.method in (b"POST", b"PUT", b"PATCH"):
                 headers.append((b"content-length", str(len(body)).encode()))
-            outgoing = client.send(h11.Request(method=request.method, target=target.encode(), headers=headers))
-            if body:
-                outgoing += client.send(h11.Data(data=body))
-            outgoing += client.send(h11.EndOfMessage())
+            try:
+                outgoing = client.send(h11.Request(method=request.method, target=target.encode(), headers=headers))
+                if body:
+                    outgoing += client.send(h11.Data(data=body))
+                outgoing += client.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:
+                # Its text may quote a header value: say nothing of it.
+                raise Refusal(502, f"the request to {origin} could not be built") from None
             try:
                 await stream.send_all(outgoing)
                 return await _read_response(stream, client)
@@ -554,6 +608,20 @@ async def _linger(stream: trio.SocketStream) -> None:
         with trio.move_on_after(LINGER_TIMEOUT):
             while drained < LINGER_BYTES and (chunk := await stream.receive_some(_READ)):
                 drained += len(chunk)
+
+
+def _has_body(request: h11.Request) -> bool:
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A response's headers without the hop-by-hop ones, including any its
+    Connection header names."""
+    named = {token.strip().lower() for name, value in headers if name == b"connection" for token in value.split(b",")}
+    return [(n, v) for n, v in headers if n.decode("ascii") not in HOP_BY_HOP and n not in named]
 
 
 def _client_error(exc: h11.RemoteProtocolError) -> int:

@@ -146,6 +146,12 @@ def _check_headers(headers: object, where: str) -> tuple[tuple[str, str], ...]:
             raise _invalid(f"{where}.headers[{name!r}] must be a string")
         if any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in value):
             raise _invalid(f"{where}.headers[{name!r}] contains a control character (CR, LF, NUL, ...)")
+        if value != value.strip(" \t"):
+            raise _invalid(f"{where}.headers[{name!r}] starts or ends with white space, which HTTP does not allow")
+        try:
+            value.encode("latin-1")
+        except UnicodeEncodeError:
+            raise _invalid(f"{where}.headers[{name!r}] has characters HTTP headers cannot carry") from None
         checked[lower] = value
     return tuple(checked.items())
 

@@ -169,8 +169,20 @@ async def test_origin_spellings_are_canonical(gateway_session, upstreams):
         b"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
         b"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n",
         b"TRACE / HTTP/1.1\r\nHost: {host}\r\n\r\n",
+        b"trace / HTTP/1.1\r\nHost: {host}\r\n\r\n",
     ],
-    ids=["cl+te", "duplicate-cl", "bare-lf", "obs-fold", "nul", "te-not-chunked", "upgrade", "connect", "trace"],
+    ids=[
+        "cl+te",
+        "duplicate-cl",
+        "bare-lf",
+        "obs-fold",
+        "nul",
+        "te-not-chunked",
+        "upgrade",
+        "connect",
+        "trace",
+        "trace-lower",
+    ],
 )
 async def test_ambiguous_or_tunnelling_requests_are_refused_and_the_connection_closed(gateway_session, upstreams, raw):
     a, b, a_tls = upstreams
@@ -320,6 +332,8 @@ for attempt in (
         {"allow": [{"origin": "https://a.example", "headers": {"Host": "x"}}]},
         {"allow": [{"origin": "https://a.example", "headers": {"X-Token": "a\r\nb"}}]},
         {"allow": [{"origin": "https://a.example", "headers": {"Bad Name": "x"}}]},
+        {"allow": [{"origin": "https://a.example", "headers": {"Authorization": "Bearer x "}}]},
+        {"allow": [{"origin": "https://a.example", "headers": {"Authorization": "Bearer \u2603"}}]},
         {"allow": "https://a.example"},
         {"deny": []},
         "allow-some",
@@ -400,3 +414,51 @@ print("closed" if idle.recv(100) == b"" else "answered")
 """
     result = await gateway_session.run("python3", ["-c", slowloris], timeout=10)
     assert result.stdout.split() == ["closed", "closed"], result
+
+
+async def test_guests_that_hang_up_or_hoard_connections_cannot_stop_the_gateway(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    abuse = f"""
+import socket
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/run/sandboxns-network.sock")
+    return s
+for _ in range(20):  # ask, then hang up without reading the answer
+    s = connect()
+    s.sendall(b"GET / HTTP/1.1\\r\\nHost: {b.host}\\r\\n\\r\\n")
+    s.close()
+hoard = [connect() for _ in range(32)]
+extra = connect()
+print("cut" if extra.recv(100) == b"" else "served")
+for s in hoard:
+    s.close()
+"""
+    result = await gateway_session.run("python3", ["-c", abuse], timeout=20)
+    assert result.stdout == "cut\n", result
+    [(status, _)] = await send(gateway_session, http("GET", "/", a.host))
+    assert status == 200
+
+
+async def test_a_guest_that_does_not_read_its_answer_is_cut_off(gateway_session, upstreams, monkeypatch):
+    a, b, a_tls = upstreams
+    from sandboxns import _gateway
+
+    monkeypatch.setattr(_gateway, "CLIENT_TIMEOUT", 0.3)
+    a.reply = lambda request: (200, [], b"z" * (1024 * 1024))
+    sleeper = f"""
+import socket, time
+s = socket.socket(socket.AF_UNIX)
+s.connect("/run/sandboxns-network.sock")
+s.sendall(b"GET / HTTP/1.1\\r\\nHost: {a.host}\\r\\n\\r\\n")
+time.sleep(2)  # far past the gateway's patience
+got = 0
+try:
+    while chunk := s.recv(65536):
+        got += len(chunk)
+except ConnectionResetError:
+    pass
+print("cut" if got < 1024 * 1024 else "whole")
+"""
+    result = await gateway_session.run("python3", ["-c", sleeper], timeout=20)
+    assert result.stdout == "cut\n", result
