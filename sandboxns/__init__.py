@@ -5,6 +5,14 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._backend import Backend, SessionHandle, open_backend
 from ._bwrap import BwrapDriver
+from ._coding import (
+    ArtifactStore,
+    CodingHooks,
+    CodingLimits,
+    CodingTools,
+    Tool,
+    create_sandbox_coding_tools,
+)
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
@@ -16,9 +24,13 @@ from ._session import RunResult, Session, create_sandbox_session, normalize_path
 from ._templates import Template
 
 __all__ = [
+    "ArtifactStore",
     "AuditRecord",
     "Backend",
     "BwrapDriver",
+    "CodingHooks",
+    "CodingLimits",
+    "CodingTools",
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
@@ -31,6 +43,8 @@ __all__ = [
     "Session",
     "SessionHandle",
     "Template",
+    "Tool",
+    "create_sandbox_coding_tools",
     "create_sandbox_session",
     "normalize_path",
     "open_backend",

@@ -18,6 +18,10 @@ class ErrorCode(str, enum.Enum):
     SANDBOX_LIMIT = "SANDBOX_LIMIT"
     SANDBOX_STOPPED = "SANDBOX_STOPPED"
     SANDBOX_INVALID_ARGUMENT = "SANDBOX_INVALID_ARGUMENT"
+    # The session lacks a restriction the caller requires (coding tools).
+    SANDBOX_INSUFFICIENT = "SANDBOX_INSUFFICIENT"
+    # The host's authorize hook said no (coding tools).
+    FORBIDDEN = "FORBIDDEN"
 
     def __str__(self) -> str:
         return self.value

@@ -47,12 +47,12 @@ def spawn_holder(path: str, argv: Sequence[str], control_fd: int, lease_fd: int 
     return pid
 
 
-def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0, *, no_symlinks: bool = False) -> int:
     """openat2(dirfd, path) that the kernel refuses (EXDEV/ELOOP) if resolving
-    it would leave dirfd's directory. Raises OSError; returns the new fd."""
-    fd = lib.sbx_openat2(
-        dirfd, os.fsencode(path), flags | os.O_CLOEXEC, mode, lib.RESOLVE_BENEATH | lib.RESOLVE_NO_MAGICLINKS
-    )
+    it would leave dirfd's directory, or, with ``no_symlinks``, if it meets
+    any symlink at all. Raises OSError; returns the new fd."""
+    resolve = lib.RESOLVE_BENEATH | lib.RESOLVE_NO_MAGICLINKS | (lib.RESOLVE_NO_SYMLINKS if no_symlinks else 0)
+    fd = lib.sbx_openat2(dirfd, os.fsencode(path), flags | os.O_CLOEXEC, mode, resolve)
     if fd < 0:
         raise OSError(-fd, os.strerror(-fd), path)
     return fd

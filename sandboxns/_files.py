@@ -133,6 +133,21 @@ def open_beneath(root: int, relative: str, flags: int, mode: int = 0) -> int:
     return walk_beneath(root, relative, flags, mode)
 
 
+def open_beneath_no_symlinks(root: int, relative: str, flags: int, mode: int = 0) -> int:
+    """Like open_beneath, but any symlink on the way is refused (ELOOP): for
+    callers that authorized a path segment by segment and must not be led
+    elsewhere by a symlink swapped in afterwards."""
+    global _openat2_missing
+    if not _openat2_missing:
+        try:
+            return _ffi.open_beneath(root, relative, flags, mode, no_symlinks=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+            _openat2_missing = True
+    return walk_beneath(root, relative, flags, mode)
+
+
 _openat2_missing = False
 
 
@@ -148,6 +163,11 @@ class WorkspaceFiles:
     @classmethod
     def of_directory(cls, path: Path, resolver: Resolver = open_beneath) -> WorkspaceFiles:
         return cls(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), resolver)
+
+    @property
+    def root(self) -> int:
+        """The workspace directory's fd (owned by this object)."""
+        return self._root
 
     def close(self) -> None:
         if self._root >= 0:
@@ -304,6 +324,12 @@ class HostWorkspaceIO:
             self._file_ops -= 1
             if self._file_ops == 0 and self._file_ops_done is not None:
                 self._file_ops_done.set()
+
+    async def workspace_call(self, operation, *args):
+        """Run ``operation(root_fd, *args)`` in a worker thread, with the
+        workspace directory's fd kept open for it: the entry point for
+        host-side tools that need more than the byte I/O above."""
+        return await self._file_op(lambda *rest: operation(self._files.root, *rest), *args)
 
     async def _close_files(self) -> None:
         """Close the workspace handle once no file operation uses it."""

@@ -185,6 +185,12 @@ async def _feed_stdin(fd: int, data: bytes) -> None:
             await stream.send_all(data)
 
 
+async def _kill_when_set(scope: trio.CancelScope, event: trio.Event, process: SandboxProcess) -> None:
+    with scope:
+        await event.wait()
+        await process.send_signal(signal.SIGKILL)
+
+
 async def _terminate(process: SandboxProcess, grace: float) -> None:
     """SIGTERM, a grace period, then SIGKILL; returns once the tree is gone."""
     await process.send_signal(signal.SIGTERM)
@@ -340,17 +346,19 @@ class Session:
         output: OutputSink,
         stdin: bytes | None = None,
         stdin_fd: int | None = None,
+        kill_when: trio.Event | None = None,
     ) -> RunResult:
         """Run checked arguments to completion, handing the output streams to
         ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
-        through instead (the CLI's own input)."""
+        through instead (the CLI's own input). Setting ``kill_when`` kills
+        the command's tree (an output sink's way to say "enough")."""
         if self._changing_network:
             raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
         if self._admission is not None:
             self._admission.acquire()
         self._running += 1
         try:
-            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd)
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd, kill_when)
         finally:
             self._running -= 1
             if self._admission is not None:
@@ -365,6 +373,7 @@ class Session:
         output: OutputSink,
         stdin: bytes | None,
         stdin_fd: int | None,
+        kill_when: trio.Event | None,
     ) -> RunResult:
         """Spawn, feed, drain and wait; returns only once the command's whole
         tree is gone, whatever happens (timeout, cancellation, a stop)."""
@@ -392,6 +401,9 @@ class Session:
                     stdin_write = None
                 nursery.start_soon(output.drain, process.stdout, "stdout")
                 nursery.start_soon(output.drain, process.stderr, "stderr")
+                watcher = trio.CancelScope()
+                if kill_when is not None:
+                    nursery.start_soon(_kill_when_set, watcher, kill_when, process)
                 # Caught here, not around the nursery, so the caller gets a
                 # SandboxError rather than an ExceptionGroup. The streams
                 # still reach EOF: wait() returns only once the tree is gone.
@@ -404,6 +416,8 @@ class Session:
                         status = await process.wait()
                 except SandboxError as exc:
                     failure = exc
+                finally:
+                    watcher.cancel()
         finally:
             if stdin_write is not None:
                 os.close(stdin_write)

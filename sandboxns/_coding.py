@@ -1,0 +1,832 @@
+"""Coding tools for agents: read, write, edit, list, glob, search, run
+commands and page their output, over one sandbox session.
+
+``create_sandbox_coding_tools(handle, authorize=...)`` probes the session,
+then returns :class:`CodingTools`: plain :class:`Tool` objects (name,
+description, JSON schema, async call) that any agent loop can drive through
+``dispatch(name, arguments)`` and the OpenAI/Anthropic function schemas.
+
+Every side effect is first put to the host's ``authorize(operation)`` as a
+typed operation, and every path segment to ``authorize_path(path)``; a
+refusal is a result the model can read (``{"error", "message", "hint"}``),
+never an exception in the agent loop. File tools work on the host's
+contained view of the workspace (see _coding_files); commands run inside the
+sandbox under the backend's admission limit. Nothing the tools return names a
+host path, and the tools themselves cannot be serialised into model input or
+stored state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from . import _coding_files as files
+from ._errors import ErrorCode, SandboxError
+from ._files import WORKSPACE, HostWorkspaceIO
+from ._session import Session
+
+RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
+DEFAULT_EXECUTABLES: Mapping[str, str] = {"shell": "/usr/bin/sh"}
+DEFAULT_ENVIRONMENT: Mapping[str, str] = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "LANG": "C.UTF-8"}
+FORBIDDEN = ErrorCode.FORBIDDEN.value
+INSUFFICIENT = ErrorCode.SANDBOX_INSUFFICIENT.value
+EDIT_NO_MATCH = "EDIT_NO_MATCH"
+EDIT_AMBIGUOUS = "EDIT_AMBIGUOUS"
+EDIT_STALE = "EDIT_STALE"
+UNAVAILABLE_REASON = "the sandbox could not prepare this operation"
+
+logger = logging.getLogger("sandboxns.coding")
+
+
+@dataclass(frozen=True)
+class CodingLimits:
+    max_path_bytes: int = 4096
+    max_read_bytes: int = 256 * 1024
+    max_write_bytes: int = 256 * 1024
+    shell_timeout: float = 10.0
+    max_shell_output_bytes: int = 64 * 1024
+    max_args: int = 128
+    max_args_bytes: int = 64 * 1024
+    max_list_entries: int = 500
+    max_search_results: int = 100
+    max_search_files: int = 10_000
+    max_search_depth: int = 32
+    max_hashed_file_bytes: int = 64 * 1024 * 1024
+    max_artifact_bytes: int = 8 * 1024 * 1024
+    max_artifacts: int = 64
+
+
+@dataclass(frozen=True)
+class CodingHooks:
+    """``on_tool_error(tool_name, exception)`` gets the real cause of a
+    refusal the model only sees as a fixed reason (SANDBOX_UNAVAILABLE)."""
+
+    on_tool_error: Callable[[str, BaseException], object] | None = None
+
+
+# The operations ``authorize`` is asked about, one type per kind.
+@dataclass(frozen=True)
+class ReadOperation:
+    path: str
+    offset: int
+    max_bytes: int
+    kind: str = "read"
+
+
+@dataclass(frozen=True)
+class WriteOperation:
+    path: str
+    bytes: int
+    overwrite: bool
+    creates_directories: tuple[str, ...]
+    kind: str = "write"
+
+
+@dataclass(frozen=True)
+class EditOperation:
+    path: str
+    base_sha256: str
+    result_sha256: str
+    replacements: int
+    dry_run: bool
+    kind: str = "edit"
+
+
+@dataclass(frozen=True)
+class ListOperation:
+    path: str
+    kind: str = "list"
+
+
+@dataclass(frozen=True)
+class GlobOperation:
+    path: str
+    pattern: str
+    kind: str = "glob"
+
+
+@dataclass(frozen=True)
+class SearchOperation:
+    path: str
+    query: str
+    regex: bool
+    include: str | None
+    kind: str = "search"
+
+
+@dataclass(frozen=True)
+class ShellOperation:
+    executable: str
+    args: tuple[str, ...]
+    cwd: str
+    kind: str = "shell"
+
+
+@dataclass(frozen=True)
+class ArtifactOperation:
+    reference: str
+    kind: str  # "artifact-read" or "artifact-search"
+
+
+Operation = (
+    ReadOperation | WriteOperation | EditOperation | ListOperation | GlobOperation | SearchOperation
+    | ShellOperation | ArtifactOperation
+)  # fmt: skip
+
+
+class ToolRefusal(Exception):
+    """A tool call that did not happen, as the model is told."""
+
+    def __init__(self, code: str, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.code = str(code)
+        self.message = message
+        self.hint = hint
+
+    def as_result(self) -> dict:
+        return {"error": self.code, "message": self.message, "hint": self.hint}
+
+
+@dataclass
+class Artifact:
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+
+
+class ArtifactStore:
+    """Command output too long for a tool result, kept in host memory (never
+    in the workspace) for the model to page through. Bounded: the oldest
+    artifacts are dropped beyond ``max_artifacts``."""
+
+    def __init__(self, max_artifacts: int = CodingLimits.max_artifacts) -> None:
+        self._items: dict[str, Artifact] = {}
+        self._max = max_artifacts
+
+    def add(self, artifact: Artifact) -> str:
+        reference = f"out-{secrets.token_hex(6)}"
+        self._items[reference] = artifact
+        while len(self._items) > self._max:
+            del self._items[next(iter(self._items))]
+        return reference
+
+    def get(self, reference: str) -> Artifact:
+        try:
+            return self._items[reference]
+        except (KeyError, TypeError):
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_NOT_FOUND, f"no output {reference!r}", "only references from run_command results work"
+            ) from None
+
+
+class _OutputCapture:
+    """Keeps a command's output up to the artifact bound; past it, asks for
+    the command to be killed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = 0
+        self.truncated = False
+        self.overflow = trio.Event()
+        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+
+    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
+        while chunk := await stream.receive_some(65536):
+            room = self.limit - self.kept
+            if len(chunk) > room:
+                self.truncated = True
+                self.overflow.set()
+                chunk = chunk[:room]
+            self.chunks[name].append(chunk)
+            self.kept += len(chunk)
+
+    def output(self, name: str) -> bytes:
+        return b"".join(self.chunks[name])
+
+
+def preview(data: bytes, budget: int) -> tuple[str, int, int]:
+    """Head and tail of ``data`` within ``budget`` bytes, cut on character
+    boundaries; returns the text and the head and tail sizes."""
+    if len(data) <= budget:
+        return data.decode("utf-8", "replace"), len(data), 0
+    marker = "\n[... output omitted; page it with read_output ...]\n"
+    room = max(0, budget - len(marker))
+    head_end = room // 2
+    while 0 < head_end < len(data) and (data[head_end] & 0xC0) == 0x80:
+        head_end -= 1
+    tail_start = len(data) - (room - head_end)
+    while tail_start < len(data) and (data[tail_start] & 0xC0) == 0x80:
+        tail_start += 1
+    head, tail = data[:head_end], data[tail_start:]
+    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), len(head), len(tail)
+
+
+@dataclass
+class Tool:
+    """One tool: what a model sees (name, description, JSON schema) and the
+    host-side call."""
+
+    name: str
+    description: str
+    input_schema: dict
+    call: Callable[[dict], Awaitable[dict]] = field(repr=False)
+
+    def __reduce__(self):
+        raise TypeError("coding tools hold a live sandbox binding and cannot be serialised")
+
+
+class CodingTools:
+    """The coding tools of one session handle."""
+
+    def __init__(self, tools: list[Tool], binding: _Binding) -> None:
+        self._tools = {tool.name: tool for tool in tools}
+        self._binding = binding
+
+    def __iter__(self):
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __getitem__(self, name: str) -> Tool:
+        return self._tools[name]
+
+    def __reduce__(self):
+        raise TypeError("coding tools hold a live sandbox binding and cannot be serialised")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def as_openai_tools(self) -> list[dict]:
+        return [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in self
+        ]
+
+    def as_anthropic_tools(self) -> list[dict]:
+        return [{"name": t.name, "description": t.description, "input_schema": t.input_schema} for t in self]
+
+    async def dispatch(self, name: str, arguments: Mapping[str, Any] | None) -> dict:
+        """Run one call; always returns a JSON-serialisable dict: the result,
+        or ``{"error": CODE, "message": ..., "hint": ...}``."""
+        tool = self._tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            return ToolRefusal(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT, f"no tool {name!r}", f"tools: {self.names}"
+            ).as_result()
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping):
+            return ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "arguments must be an object").as_result()
+        try:
+            return await tool.call(dict(arguments))
+        except ToolRefusal as refusal:
+            return refusal.as_result()
+        except SandboxError as exc:
+            return ToolRefusal(exc.code.value, exc.message).as_result()
+
+
+class _Binding:
+    """The host-only link from tools to a session: never shown to a model."""
+
+    def __init__(self, handle: Any, session: Session, hooks: CodingHooks) -> None:
+        self.handle = handle
+        self.session = session
+        self.hooks = hooks
+        self.grade: dict[str, bool] = {}
+        self.graded_generation = -1
+        self.edit_lock = trio.Lock()
+
+    def check_live(self) -> None:
+        handle_live = getattr(self.handle, "live", True)
+        driver = self.session.driver
+        if not handle_live or getattr(driver, "_closed", False):
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped", "create new tools from a new handle"
+            )
+        try:
+            driver._check_usable()
+        except SandboxError as exc:
+            raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
+
+    def unavailable(self, tool: str, cause: BaseException) -> ToolRefusal:
+        if self.hooks.on_tool_error is not None:
+            try:
+                self.hooks.on_tool_error(tool, cause)
+            except Exception:  # a host hook must not break the tool
+                logger.exception("on_tool_error raised")
+        return ToolRefusal(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON)
+
+
+# The probe: what the guest can actually see and do, checked for real.
+_PROBE = r"""
+interfaces=$(awk -F: 'NR>2 {gsub(/ /, "", $1); print $1}' /proc/net/dev | grep -v '^lo$' | wc -l)
+echo "interfaces=$interfaces"
+touch /probe-root 2>/dev/null && echo "root-writable=1" || echo "root-writable=0"
+touch /usr/probe-usr 2>/dev/null && echo "usr-writable=1" || echo "usr-writable=0"
+test -w /workspace && echo "workspace-writable=1" || echo "workspace-writable=0"
+echo "shell-pid=$$"
+echo "processes=$(ls /proc | grep -c '^[0-9]')"
+echo "environment=$(env | grep -v '^PWD=' | wc -l)"
+test -e "$1" && echo "host-home=1" || echo "host-home=0"
+"""
+
+
+async def _probe(binding: _Binding) -> dict[str, bool]:
+    result = await binding.session.run("/bin/sh", ["-c", _PROBE, "probe", os.path.expanduser("~")], env={}, timeout=10)
+    facts = dict(line.split("=", 1) for line in result.stdout.split() if "=" in line)
+    if result.exit_code != 0 or len(facts) != 8:
+        raise RuntimeError(f"restriction probe failed: {result.exit_code} {result.stderr.strip()[:200]}")
+    return {
+        "network-denied": facts["interfaces"] == "0",
+        "write-contained": facts["root-writable"] == "0" and facts["usr-writable"] == "0"
+        and facts["workspace-writable"] == "1",
+        # Its own pid namespace: the shell is pid 2 or so, and the host's
+        # processes are nowhere in /proc.
+        "process-contained": int(facts["shell-pid"]) <= 3 and int(facts["processes"]) <= 10,
+        "secrets-hidden": facts["environment"] == "0" and facts["host-home"] == "0",
+    }  # fmt: skip
+
+
+def _policy_allows(restriction: str, binding: _Binding) -> bool:
+    """What the current policy says, independent of the probe."""
+    if restriction == "network-denied":
+        return binding.session.network.kind == "deny-all"
+    return True
+
+
+# Argument checking: the model's input is untrusted.
+def _argument(arguments: dict, name: str, kind: type | tuple, default: Any = ...) -> Any:
+    if name not in arguments:
+        if default is ...:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"missing argument {name!r}")
+        return default
+    value = arguments[name]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be {expected}")
+    return value
+
+
+def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> str:
+    """A workspace-relative or /workspace/... path, in canonical guest form.
+    Stricter than the session's paths: no backslash, no empty, '.' or '..'
+    segment, nothing that needs normalising."""
+    if not isinstance(path, str) or not path:
+        raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be a non-empty string")
+    if len(path.encode()) > limits.max_path_bytes:
+        raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"{name} is longer than {limits.max_path_bytes} bytes")
+    if "\\" in path or "\0" in path:
+        raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, f"{name} must not contain backslashes or NUL")
+    if path in (".", WORKSPACE, WORKSPACE + "/"):
+        return WORKSPACE
+    relative = path[len(WORKSPACE) + 1 :] if path.startswith(WORKSPACE + "/") else path
+    if path.startswith("/") and relative is path:
+        raise ToolRefusal(
+            ErrorCode.SANDBOX_PATH_REFUSED, f"{name} must be inside {WORKSPACE}", "use a path relative to the workspace"
+        )
+    segments = relative.rstrip("/").split("/") if relative.endswith("/") else relative.split("/")
+    if any(segment in ("", ".", "..") for segment in segments):
+        raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, f"{name} has an empty, '.' or '..' segment")
+    return f"{WORKSPACE}/{'/'.join(segments)}"
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def create_sandbox_coding_tools(
+    handle: Any,
+    *,
+    authorize: Callable[[Operation], bool | Awaitable[bool]],
+    authorize_path: Callable[[str], bool | Awaitable[bool]] | None = None,
+    executables: Mapping[str, str] = DEFAULT_EXECUTABLES,
+    environment: Mapping[str, str] | None = None,
+    required_restrictions: Sequence[str] = RESTRICTIONS,
+    limits: CodingLimits = CodingLimits(),
+    hooks: CodingHooks = CodingHooks(),
+    artifacts: ArtifactStore | None = None,
+) -> CodingTools:
+    """The coding tools for a session handle (or a :class:`Session`); see
+    the module docstring and the README."""
+    session = handle.session if hasattr(handle, "session") else handle
+    if not isinstance(session, Session) or not isinstance(session.driver, HostWorkspaceIO):
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no host-side workspace binding for coding tools"
+        )
+    if not callable(authorize) or (authorize_path is not None and not callable(authorize_path)):
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "authorize and authorize_path must be callables")
+    unknown = set(required_restrictions) - set(RESTRICTIONS)
+    if unknown:
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"unknown restrictions {sorted(unknown)}")
+    if (
+        not isinstance(executables, Mapping)
+        or not executables
+        or not all(isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in executables.items())
+    ):
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "executables must map aliases to absolute guest paths")
+    env = dict(DEFAULT_ENVIRONMENT if environment is None else environment)
+    binding = _Binding(handle, session, hooks)
+    binding.check_live()
+    try:
+        binding.grade = await _probe(binding)
+        binding.graded_generation = session.network_generation
+    except (SandboxError, RuntimeError) as exc:
+        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON) from exc
+    missing = [r for r in required_restrictions if not (binding.grade.get(r) and _policy_allows(r, binding))]
+    if missing:
+        raise SandboxError(ErrorCode.SANDBOX_INSUFFICIENT, f"the session does not provide {', '.join(missing)}")
+    implementation = _Implementation(
+        binding, authorize, authorize_path, dict(executables), env, tuple(required_restrictions), limits,
+        artifacts or ArtifactStore(limits.max_artifacts),
+    )  # fmt: skip
+    return CodingTools(implementation.tools(), binding)
+
+
+class _Implementation:
+    def __init__(
+        self,
+        binding: _Binding,
+        authorize: Callable,
+        authorize_path: Callable | None,
+        executables: dict[str, str],
+        environment: dict[str, str],
+        required: tuple[str, ...],
+        limits: CodingLimits,
+        artifacts: ArtifactStore,
+    ) -> None:
+        self.binding = binding
+        self._authorize = authorize
+        self._authorize_path = authorize_path
+        self.executables = executables
+        self.environment = environment
+        self.required = required
+        self.limits = limits
+        self.artifacts = artifacts
+
+    # -- authorization ---------------------------------------------------
+    async def authorize(self, operation: Operation) -> None:
+        if await _maybe_await(self._authorize(operation)) is not True:
+            raise ToolRefusal(FORBIDDEN, f"the host does not allow this {operation.kind}")
+
+    async def path_allowed(self, guest_path: str) -> bool:
+        """authorize_path for each ancestor, then the path itself."""
+        if self._authorize_path is None or guest_path == WORKSPACE:
+            return True
+        parts = guest_path[len(WORKSPACE) + 1 :].split("/")
+        for i in range(1, len(parts) + 1):
+            if await _maybe_await(self._authorize_path(f"{WORKSPACE}/{'/'.join(parts[:i])}")) is not True:
+                return False
+        return True
+
+    async def require_path(self, guest_path: str) -> None:
+        if not await self.path_allowed(guest_path):
+            raise ToolRefusal(FORBIDDEN, f"the host does not allow {guest_path}")
+
+    async def call_files(self, function, *args):
+        self.binding.check_live()
+        return await self.binding.session.driver.workspace_call(function, *args)
+
+    # -- tools -------------------------------------------------------------
+    def tools(self) -> list[Tool]:
+        path = {"type": "string", "description": "workspace-relative path, or /workspace/..."}
+        return [
+            Tool("read_file", "Read a text file of the workspace, a slice at a time.", _schema(
+                {"path": path, "offset": {"type": "integer", "minimum": 0, "default": 0},
+                 "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
+                ["path"]), self.read_file),
+            Tool("write_file", "Create a file (and its parent directories), or replace one with overwrite=true.",
+                 _schema({"path": path, "content": {"type": "string"}, "overwrite": {"type": "boolean", "default": False}},
+                         ["path", "content"]), self.write_file),
+            Tool("edit_file", "Replace an exact snippet of a file (once, or every occurrence with replace_all).",
+                 _schema({"path": path, "old_text": {"type": "string"}, "new_text": {"type": "string"},
+                          "replace_all": {"type": "boolean", "default": False},
+                          "expected_sha256": {"type": "string", "description": "sha256 from read_file; refuse if the file changed"},
+                          "dry_run": {"type": "boolean", "default": False}},
+                         ["path", "old_text", "new_text"]), self.edit_file),
+            Tool("list_directory", "List a workspace directory.", _schema({"path": {**path, "default": "."}}, []),
+                 self.list_directory),
+            Tool("glob", "Find workspace paths matching a glob (** spans directories).",
+                 _schema({"pattern": {"type": "string"}, "path": {**path, "default": "."}}, ["pattern"]), self.glob),
+            Tool("search_files", "Search file contents (or paths) for a literal string or a regular expression.",
+                 _schema({"query": {"type": "string"}, "regex": {"type": "boolean", "default": False},
+                          "path": {**path, "default": "."}, "include": {"type": "string", "description": "glob of files to search"},
+                          "search_paths": {"type": "boolean", "default": False},
+                          "context_lines": {"type": "integer", "minimum": 0, "maximum": 10, "default": 0}},
+                         ["query"]), self.search_files),
+            Tool("run_command", f"Run a command in the sandbox. executable is one of: {', '.join(self.executables)}.",
+                 _schema({"executable": {"type": "string", "enum": list(self.executables)},
+                          "args": {"type": "array", "items": {"type": "string"}},
+                          "cwd": {**path, "default": "."}}, ["executable"]), self.run_command),
+            Tool("read_output", "Page through the full output of an earlier run_command.",
+                 _schema({"reference": {"type": "string"}, "stream": {"type": "string", "enum": ["stdout", "stderr"]},
+                          "offset": {"type": "integer", "minimum": 0, "default": 0},
+                          "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
+                         ["reference"]), self.read_output),
+            Tool("search_output", "Search the full output of an earlier run_command.",
+                 _schema({"reference": {"type": "string"}, "query": {"type": "string"},
+                          "regex": {"type": "boolean", "default": False}}, ["reference", "query"]), self.search_output),
+        ]  # fmt: skip
+
+    async def read_file(self, arguments: dict) -> dict:
+        guest_path = check_tool_path(arguments.get("path"), self.limits)
+        offset = _argument(arguments, "offset", int, 0)
+        max_bytes = min(_argument(arguments, "max_bytes", int, self.limits.max_read_bytes), self.limits.max_read_bytes)
+        if offset < 0 or max_bytes < 1:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "offset must be >= 0 and max_bytes >= 1")
+        await self.require_path(guest_path)
+        await self.authorize(ReadOperation(guest_path, offset, max_bytes))
+        result = await self.call_files(
+            files.read_slice, guest_path, offset, max_bytes, self.limits.max_hashed_file_bytes
+        )
+        return {
+            "path": guest_path,
+            "text": result.data.decode("utf-8", "replace"),
+            "bytes": len(result.data),
+            "offset": result.offset,
+            "size": result.size,
+            "sha256": result.sha256,
+            "truncated": result.next_offset is not None,
+            "next_offset": result.next_offset,
+        }
+
+    async def write_file(self, arguments: dict) -> dict:
+        guest_path = check_tool_path(arguments.get("path"), self.limits)
+        content = _argument(arguments, "content", str).encode("utf-8")
+        overwrite = _argument(arguments, "overwrite", bool, False)
+        if guest_path == WORKSPACE:
+            raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, "the workspace itself is not a file")
+        if len(content) > self.limits.max_write_bytes:
+            raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"content is over {self.limits.max_write_bytes} bytes")
+        await self.require_path(guest_path)
+        creates = tuple(await self.call_files(files.missing_directories, guest_path))
+        await self.authorize(WriteOperation(guest_path, len(content), overwrite, creates))
+        created = await self.call_files(files.write_atomically, guest_path, content, overwrite)
+        return {"path": guest_path, "bytes": len(content), "created_directories": created,
+                "sha256": hashlib.sha256(content).hexdigest()}  # fmt: skip
+
+    async def edit_file(self, arguments: dict) -> dict:
+        guest_path = check_tool_path(arguments.get("path"), self.limits)
+        old_text = _argument(arguments, "old_text", str)
+        new_text = _argument(arguments, "new_text", str)
+        replace_all = _argument(arguments, "replace_all", bool, False)
+        expected = _argument(arguments, "expected_sha256", str, None)
+        dry_run = _argument(arguments, "dry_run", bool, False)
+        if not old_text:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "old_text must not be empty")
+        await self.require_path(guest_path)
+        # One edit at a time per tools object, and a re-check of the base
+        # just before the rename, so two edits from one base never both land.
+        async with self.binding.edit_lock:
+            base = await self.call_files(files.read_whole, guest_path, self.limits.max_write_bytes)
+            base_sha = hashlib.sha256(base).hexdigest()
+            if expected is not None and expected != base_sha:
+                raise ToolRefusal(EDIT_STALE, f"{guest_path} changed since it was read", "read it again")
+            try:
+                text = base.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not UTF-8 text") from None
+            count = text.count(old_text)
+            if count == 0:
+                raise ToolRefusal(EDIT_NO_MATCH, f"old_text does not occur in {guest_path}", "read the file again")
+            if count > 1 and not replace_all:
+                raise ToolRefusal(
+                    EDIT_AMBIGUOUS, f"old_text occurs {count} times in {guest_path}",
+                    "add surrounding lines to make it unique, or pass replace_all=true",
+                )  # fmt: skip
+            result = text.replace(old_text, new_text) if replace_all else text.replace(old_text, new_text, 1)
+            data = result.encode("utf-8")
+            if len(data) > self.limits.max_write_bytes:
+                raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"the result is over {self.limits.max_write_bytes} bytes")
+            result_sha = hashlib.sha256(data).hexdigest()
+            replacements = count if replace_all else 1
+            await self.authorize(EditOperation(guest_path, base_sha, result_sha, replacements, dry_run))
+            if not dry_run:
+                try:
+                    await self.call_files(files.write_atomically, guest_path, data, True, base_sha)
+                except files.StaleError:
+                    raise ToolRefusal(EDIT_STALE, f"{guest_path} changed during the edit", "read it again") from None
+        return {"path": guest_path, "replacements": replacements, "dry_run": dry_run,
+                "base_sha256": base_sha, "sha256": result_sha}  # fmt: skip
+
+    async def list_directory(self, arguments: dict) -> dict:
+        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
+        await self.require_path(guest_path)
+        await self.authorize(ListOperation(guest_path))
+        entries = await self.call_files(files.list_directory, guest_path)
+        shown, denied = [], []
+        for entry in entries:
+            if await self.path_allowed(entry.path):
+                shown.append({"name": entry.path.rsplit("/", 1)[1], "kind": entry.kind, "size": entry.size})
+            else:
+                denied.append(entry.path.rsplit("/", 1)[1])
+        limit = self.limits.max_list_entries
+        return {"path": guest_path, "entries": shown[:limit], "truncated": len(shown) > limit, "denied": denied}
+
+    async def _walk(self, guest_path: str) -> tuple[list[files.Entry], list[str]]:
+        """Entries under a directory the host allows (denied ones listed
+        apart), bounded by the search limits."""
+        allowed_cache: dict[str, bool] = {}
+        denied: list[str] = []
+        # The walk runs in a worker thread; authorize_path (maybe async) is
+        # asked afterwards, and a denied directory hides all beneath it.
+        entries = await self.call_files(
+            lambda root: list(files.walk(root, guest_path, self.limits.max_search_depth,
+                                         self.limits.max_search_files, lambda _: True))
+        )  # fmt: skip
+        kept = []
+        for entry in entries:
+            parent = entry.path.rsplit("/", 1)[0]
+            if parent != guest_path and not allowed_cache.get(parent, True):
+                allowed_cache[entry.path] = False
+                continue
+            ok = await self.path_allowed(entry.path)
+            allowed_cache[entry.path] = ok
+            if ok:
+                kept.append(entry)
+            else:
+                denied.append(entry.path)
+        return kept, denied
+
+    async def glob(self, arguments: dict) -> dict:
+        pattern = _argument(arguments, "pattern", str)
+        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
+        await self.require_path(guest_path)
+        await self.authorize(GlobOperation(guest_path, pattern))
+        entries, denied = await self._walk(guest_path)
+        prefix = len(guest_path) + 1
+        matches = [e.path for e in entries if e.kind != "symlink" and files.glob_match(pattern, e.path[prefix:])]
+        limit = self.limits.max_search_results
+        return {"path": guest_path, "matches": matches[:limit], "truncated": len(matches) > limit, "denied": denied}
+
+    async def search_files(self, arguments: dict) -> dict:
+        query = _argument(arguments, "query", str)
+        use_regex = _argument(arguments, "regex", bool, False)
+        include = _argument(arguments, "include", str, None)
+        search_paths = _argument(arguments, "search_paths", bool, False)
+        context = _argument(arguments, "context_lines", int, 0)
+        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
+        if not query or not 0 <= context <= 10:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "query must not be empty; context_lines is 0-10")
+        try:
+            matcher = re.compile(query if use_regex else re.escape(query))
+        except re.error as exc:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
+        await self.require_path(guest_path)
+        await self.authorize(SearchOperation(guest_path, query, use_regex, include))
+        entries, denied = await self._walk(guest_path)
+        prefix = len(guest_path) + 1
+        results: list[dict] = []
+        limit = self.limits.max_search_results
+        for entry in entries:
+            if entry.kind != "file" or (
+                include
+                and not files.glob_match(include, entry.path[prefix:])
+                and not files.glob_match(include, entry.path.rsplit("/", 1)[1])
+            ):
+                continue  # fmt: skip
+            if search_paths:
+                if matcher.search(entry.path[prefix:]):
+                    results.append({"path": entry.path})
+            else:
+                results += await self._search_file(entry.path, matcher, context, limit - len(results))
+            if len(results) > limit:
+                break
+        return {"path": guest_path, "matches": results[:limit], "truncated": len(results) > limit, "denied": denied}
+
+    async def _search_file(self, guest_path: str, matcher: re.Pattern, context: int, room: int) -> list[dict]:
+        try:
+            data = await self.call_files(files.read_whole, guest_path, self.limits.max_read_bytes)
+        except SandboxError:
+            return []  # too large, vanished or swapped: skipped, never followed
+        if b"\0" in data[:8192]:
+            return []  # binary
+        lines = data.decode("utf-8", "replace").splitlines()
+        found = []
+        for number, line in enumerate(lines):
+            if matcher.search(line):
+                found.append({
+                    "path": guest_path, "line": number + 1, "text": line[:500],
+                    "before": lines[max(0, number - context):number], "after": lines[number + 1:number + 1 + context],
+                })  # fmt: skip
+                if len(found) > room:
+                    break
+        return found
+
+    async def run_command(self, arguments: dict) -> dict:
+        alias = _argument(arguments, "executable", str)
+        args = _argument(arguments, "args", list, [])
+        guest_cwd = check_tool_path(arguments.get("cwd", "."), self.limits, "cwd")
+        if alias not in self.executables:
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_NOT_FOUND, f"no executable {alias!r}", f"use one of: {', '.join(self.executables)}"
+            )
+        if not all(isinstance(arg, str) and "\0" not in arg for arg in args):
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "args must be strings without NUL")
+        if len(args) > self.limits.max_args or sum(len(a.encode()) + 1 for a in args) > self.limits.max_args_bytes:
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_LIMIT, f"at most {self.limits.max_args} args of {self.limits.max_args_bytes} bytes"
+            )
+        binding = self.binding
+        binding.check_live()
+        generation = binding.session.network_generation
+        missing = [r for r in self.required if not (binding.grade.get(r) and _policy_allows(r, binding))]
+        if missing:
+            raise ToolRefusal(INSUFFICIENT, f"the session no longer provides {', '.join(missing)}")
+        await self.require_path(guest_cwd)
+        await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
+        if binding.session.network_generation != generation:
+            raise ToolRefusal(INSUFFICIENT, "the network policy changed while the command was prepared", "call again")
+        capture = _OutputCapture(self.limits.max_artifact_bytes)
+        try:
+            result = await binding.session._execute(
+                [self.executables[alias], *args], env={**self.environment, "PWD": guest_cwd}, cwd=guest_cwd,
+                timeout=self.limits.shell_timeout, output=capture, kill_when=capture.overflow,
+            )  # fmt: skip
+        except SandboxError as exc:
+            if exc.code in (
+                ErrorCode.SANDBOX_NOT_FOUND,
+                ErrorCode.SANDBOX_INVALID_ARGUMENT,
+                ErrorCode.SANDBOX_BUSY,
+                ErrorCode.SANDBOX_STOPPED,
+                ErrorCode.SANDBOX_LIMIT,
+            ):
+                raise ToolRefusal(exc.code.value, exc.message) from None
+            raise binding.unavailable("run_command", exc) from exc  # fmt: skip
+        outcome = "timeout" if result.timed_out else "output-limit" if capture.truncated else "exited"
+        return {"exit_code": result.exit_code, "signal": result.signal, "outcome": outcome,
+                "duration": round(result.duration, 3), **self._shape_output(result.stdout_bytes,
+                result.stderr_bytes, capture.truncated)}  # fmt: skip
+
+    def _shape_output(self, stdout: bytes, stderr: bytes, truncated: bool) -> dict:
+        budget = self.limits.max_shell_output_bytes
+        if len(stdout) + len(stderr) <= budget and not truncated:
+            return {"stdout": stdout.decode("utf-8", "replace"), "stderr": stderr.decode("utf-8", "replace"),
+                    "artifact": None}  # fmt: skip
+        stderr_budget = (
+            min(len(stderr), budget // 4) if len(stdout) > budget // 2 else budget - min(len(stdout), budget // 2)
+        )
+        stdout_budget = budget - min(len(stderr), stderr_budget)
+        out_text, out_head, out_tail = preview(stdout, stdout_budget)
+        err_text, err_head, err_tail = preview(stderr, budget - stdout_budget)
+        reference = self.artifacts.add(Artifact(stdout, stderr, truncated))
+        total = len(stdout) + len(stderr)
+        head, tail = out_head + err_head, out_tail + err_tail
+        return {
+            "stdout": out_text, "stderr": err_text,
+            "artifact": {"reference": reference, "bytes": total, "truncated": truncated,
+                         "head_bytes": head, "tail_bytes": tail, "omitted_bytes": total - head - tail},
+        }  # fmt: skip
+
+    async def read_output(self, arguments: dict) -> dict:
+        reference = _argument(arguments, "reference", str)
+        stream = _argument(arguments, "stream", str, "stdout")
+        offset = _argument(arguments, "offset", int, 0)
+        max_bytes = min(_argument(arguments, "max_bytes", int, self.limits.max_read_bytes), self.limits.max_read_bytes)
+        if stream not in ("stdout", "stderr") or offset < 0 or max_bytes < 1:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "stream is stdout or stderr; offset >= 0")
+        artifact = self.artifacts.get(reference)
+        await self.authorize(ArtifactOperation(reference, "artifact-read"))
+        data = getattr(artifact, stream)
+        window = data[offset : offset + max_bytes + 4]
+        start, end = files._utf8_slice(window, max_bytes)
+        next_offset = offset + end if offset + end < len(data) else None
+        return {"reference": reference, "stream": stream, "offset": offset + start,
+                "text": window[start:end].decode("utf-8", "replace"), "size": len(data),
+                "next_offset": next_offset, "truncated": artifact.truncated}  # fmt: skip
+
+    async def search_output(self, arguments: dict) -> dict:
+        reference = _argument(arguments, "reference", str)
+        query = _argument(arguments, "query", str)
+        use_regex = _argument(arguments, "regex", bool, False)
+        try:
+            matcher = re.compile(query if use_regex else re.escape(query))
+        except re.error as exc:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
+        artifact = self.artifacts.get(reference)
+        await self.authorize(ArtifactOperation(reference, "artifact-search"))
+        matches = []
+        for stream in ("stdout", "stderr"):
+            for number, line in enumerate(getattr(artifact, stream).decode("utf-8", "replace").splitlines()):
+                if matcher.search(line):
+                    matches.append({"stream": stream, "line": number + 1, "text": line[:500]})
+        limit = self.limits.max_search_results
+        return {"reference": reference, "matches": matches[:limit], "truncated": len(matches) > limit}
+
+
+def _schema(properties: dict, required: list[str]) -> dict:
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}

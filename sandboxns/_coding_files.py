@@ -1,0 +1,308 @@
+"""The file side of the coding tools: synchronous operations on a workspace
+directory fd, run in worker threads (see HostWorkspaceIO.workspace_call).
+
+Stricter than the session's byte I/O: every path is resolved with openat2
+RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, so no symlink is followed anywhere.
+The tools authorize a path segment by segment; a directory swapped for a
+symlink after that (to lead somewhere not authorized) makes the operation
+fail closed instead. Walks (glob, search) never descend through symlinks
+and skip dependency and VCS directories.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ._errors import ErrorCode, SandboxError
+from ._files import WORKSPACE, open_beneath_no_symlinks
+
+SKIPPED_DIRECTORIES = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        "node_modules",
+        "__pycache__",
+        ".venv",
+        ".tox",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+    }
+)
+
+
+def _relative(guest_path: str) -> str:
+    return "." if guest_path == WORKSPACE else guest_path[len(WORKSPACE) + 1 :]
+
+
+def _refused(exc: OSError, guest_path: str) -> SandboxError:
+    """An error that names only the guest path, never a host one."""
+    if exc.errno in (errno.ELOOP, errno.EXDEV):
+        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is or passes through a symlink")
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path}: permission denied")
+    if exc.errno in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY):
+        return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path}: {os.strerror(exc.errno)}")
+    return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {os.strerror(exc.errno or 0)}")
+
+
+def open_path(root: int, guest_path: str, flags: int, mode: int = 0) -> int:
+    try:
+        return open_beneath_no_symlinks(root, _relative(guest_path), flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        raise _refused(exc, guest_path) from None
+
+
+def _regular_file(root: int, guest_path: str) -> int:
+    fd = open_path(root, guest_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is {what}")
+    return fd
+
+
+def _read_all(fd: int, limit: int, guest_path: str) -> bytes:
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} has {size} bytes; the limit is {limit}")
+    data = bytearray()
+    while chunk := os.pread(fd, limit + 1 - len(data), len(data)):
+        data += chunk
+        if len(data) > limit:
+            raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} grew over {limit} bytes")
+    return bytes(data)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    data: bytes
+    size: int
+    sha256: str
+    offset: int
+    next_offset: int | None
+
+
+def _continues(byte: int) -> bool:
+    return (byte & 0xC0) == 0x80  # 10xxxxxx: inside a UTF-8 character
+
+
+def _utf8_slice(window: bytes, max_bytes: int) -> tuple[int, int]:
+    """Start and end of at most ``max_bytes`` of ``window`` that neither
+    begin nor end inside a UTF-8 character (for text that is UTF-8; other
+    bytes are cut where they fall). ``window`` holds a few bytes more than
+    ``max_bytes`` unless the file ended."""
+    start = 0
+    while start < min(3, len(window)) and _continues(window[start]):
+        start += 1
+    end = min(start + max_bytes, len(window))
+    if end < len(window):  # the first byte left out may continue a character
+        cut = end
+        while cut > start and end - cut < 3 and _continues(window[cut]):
+            cut -= 1
+        if cut > start:
+            end = cut
+    return start, end
+
+
+def read_slice(root: int, guest_path: str, offset: int, max_bytes: int, hash_limit: int) -> ReadResult:
+    """Up to ``max_bytes`` from ``offset``, both moved to character
+    boundaries, and the sha256 of the whole file (which must not be over
+    ``hash_limit`` bytes)."""
+    fd = _regular_file(root, guest_path)
+    try:
+        digest = hashlib.sha256()
+        size = 0
+        while chunk := os.pread(fd, 1 << 20, size):
+            digest.update(chunk)
+            size += len(chunk)
+            if size > hash_limit:
+                raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is over {hash_limit} bytes")
+        window = os.pread(fd, max_bytes + 4, offset) if offset < size else b""
+    finally:
+        os.close(fd)
+    start, end = _utf8_slice(window, max_bytes)
+    next_offset = offset + end if offset + end < size else None
+    return ReadResult(window[start:end], size, digest.hexdigest(), offset + start, next_offset)
+
+
+def read_whole(root: int, guest_path: str, limit: int) -> bytes:
+    fd = _regular_file(root, guest_path)
+    try:
+        return _read_all(fd, limit, guest_path)
+    finally:
+        os.close(fd)
+
+
+def missing_directories(root: int, guest_path: str) -> list[str]:
+    """The ancestors of ``guest_path`` that do not exist yet, outermost
+    first (refusing a symlink or a file in the way)."""
+    missing = []
+    parent = guest_path.rsplit("/", 1)[0]
+    while parent != WORKSPACE:
+        try:
+            fd = open_beneath_no_symlinks(root, _relative(parent), os.O_PATH | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            missing.append(parent)
+            parent = parent.rsplit("/", 1)[0]
+            continue
+        except OSError as exc:
+            raise _refused(exc, parent) from None
+        is_directory = stat.S_ISDIR(os.fstat(fd).st_mode)
+        os.close(fd)
+        if not is_directory:
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{parent} is not a directory")
+        break
+    return list(reversed(missing))
+
+
+def write_atomically(
+    root: int, guest_path: str, data: bytes, overwrite: bool, expected_sha256: str | None = None
+) -> list[str]:
+    """Create (with missing parent directories) or replace a file by a new
+    file renamed over it. Returns the directories created. Refuses to
+    replace unless ``overwrite``; with ``expected_sha256``, refuses unless
+    the current content still has that hash (checked just before the
+    rename)."""
+    created = []
+    for directory in missing_directories(root, guest_path):
+        parent_fd = open_path(root, directory.rsplit("/", 1)[0], os.O_PATH | os.O_DIRECTORY)
+        try:
+            os.mkdir(directory.rsplit("/", 1)[1], 0o755, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise _refused(exc, directory) from None
+        finally:
+            os.close(parent_fd)
+        created.append(directory)
+    parent, name = guest_path.rsplit("/", 1)
+    parent_fd = open_path(root, parent, os.O_PATH | os.O_DIRECTORY)
+    temporary = f".{name}.sandboxns-{secrets.token_hex(6)}"
+    try:
+        try:
+            current = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        if current is not None and not overwrite:
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} exists; pass overwrite=true")
+        if current is not None and not stat.S_ISREG(current.st_mode):
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not a regular file")
+        mode = stat.S_IMODE(current.st_mode) if current is not None else 0o644
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        if expected_sha256 is not None:
+            now = read_whole(root, guest_path, 1 << 30)
+            if hashlib.sha256(now).hexdigest() != expected_sha256:
+                raise StaleError(guest_path)
+        os.rename(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        temporary = None
+    except OSError as exc:
+        raise _refused(exc, guest_path) from None
+    finally:
+        if temporary is not None:
+            try:
+                os.unlink(temporary, dir_fd=parent_fd)
+            except OSError:
+                pass
+        os.close(parent_fd)
+    return created
+
+
+class StaleError(Exception):
+    """The file changed since the caller read it."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # guest path
+    kind: str  # file, directory, symlink, other
+    size: int
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def list_directory(root: int, guest_path: str) -> list[Entry]:
+    fd = open_path(root, guest_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        entries = []
+        with os.scandir(fd) as listing:
+            for entry in listing:
+                info = entry.stat(follow_symlinks=False)
+                entries.append(Entry(f"{guest_path}/{entry.name}", _kind(info.st_mode), info.st_size))
+        return sorted(entries, key=lambda e: e.path)
+    finally:
+        os.close(fd)
+
+
+def walk(
+    root: int, guest_path: str, max_depth: int, max_entries: int, allowed: Callable[[str], bool]
+) -> Iterator[Entry]:
+    """Entries under a directory, depth first, never through a symlink,
+    skipping dependency/VCS directories and anything ``allowed`` rejects;
+    at most ``max_entries`` are looked at."""
+    seen = 0
+    pending = [(guest_path, 0)]
+    while pending:
+        directory, depth = pending.pop()
+        try:
+            entries = list_directory(root, directory)
+        except SandboxError:
+            continue  # vanished or swapped meanwhile: fail closed, skip it
+        for entry in entries:
+            seen += 1
+            if seen > max_entries:
+                return
+            if not allowed(entry.path):
+                continue
+            yield entry
+            name = entry.path.rsplit("/", 1)[1]
+            if entry.kind == "directory" and depth + 1 < max_depth and name not in SKIPPED_DIRECTORIES:
+                pending.append((entry.path, depth + 1))
+
+
+def glob_match(pattern: str, relative: str) -> bool:
+    """fnmatch with ``**`` spanning directories and ``*`` not."""
+    regex = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            regex += "(?:.*/)?"
+            i += 3
+        elif pattern.startswith("**", i):
+            regex += ".*"
+            i += 2
+        elif pattern[i] == "*":
+            regex += "[^/]*"
+            i += 1
+        elif pattern[i] == "?":
+            regex += "[^/]"
+            i += 1
+        else:
+            regex += re.escape(pattern[i])
+            i += 1
+    return re.fullmatch(regex, relative) is not None
