@@ -159,9 +159,11 @@ def missing_directories(root: int, guest_path: str) -> list[str]:
             continue
         except OSError as exc:
             raise _refused(exc, parent) from None
-        is_directory = stat.S_ISDIR(os.fstat(fd).st_mode)
+        mode = os.fstat(fd).st_mode
         os.close(fd)
-        if not is_directory:
+        if stat.S_ISLNK(mode):
+            raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{parent} is a symlink")
+        if not stat.S_ISDIR(mode):
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{parent} is not a directory")
         break
     return list(reversed(missing))
