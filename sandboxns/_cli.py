@@ -136,6 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     clear.add_argument("session", help="session id (from 'lease list')")
     clear.add_argument("--force", action="store_true", help="kill the session's remaining processes first")
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve a sandbox session's coding tools over MCP (stdio)",
+        description="Start (or create) one backend session and serve its coding tools over MCP on stdin/stdout. "
+        "The session is a new one from a template of the files in --files (default: empty), or one over the "
+        "host directory --workspace. Needs the mcp extra.",
+    )
+    mcp.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    source = mcp.add_mutually_exclusive_group()
+    source.add_argument("--files", metavar="DIR", help="snapshot this directory as the session's template")
+    source.add_argument("--workspace", metavar="DIR", help="bind this host directory as /workspace")
+    mcp.add_argument("--template", default="mcp", help="the template's name (with --files; default %(default)s)")
+    mcp.add_argument("--network", choices=("deny-all", "allow-all"), default="deny-all")
+    mcp.add_argument("--driver", choices=sorted(DRIVERS), default="native")
     return parser
 
 
@@ -166,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.subcommand == "lease":
             return _lease(args)
+        if args.subcommand == "mcp":
+            from ._mcp import run_mcp
+
+            trio.run(run_mcp, args)
+            return 0
         return trio.run(_run, args)
     except SandboxError as error:
         print(f"sandboxns: {error.message}", file=sys.stderr)

@@ -44,6 +44,18 @@ EDIT_NO_MATCH = "EDIT_NO_MATCH"
 EDIT_AMBIGUOUS = "EDIT_AMBIGUOUS"
 EDIT_STALE = "EDIT_STALE"
 UNAVAILABLE_REASON = "the sandbox could not prepare this operation"
+# A cancelled tool call's command gets this long between SIGTERM and SIGKILL.
+CANCEL_GRACE = 0.2
+# Failures of a command the model can act on; any other is the sandbox's.
+REFUSED_AS_IS = frozenset(
+    {
+        ErrorCode.SANDBOX_NOT_FOUND,
+        ErrorCode.SANDBOX_INVALID_ARGUMENT,
+        ErrorCode.SANDBOX_BUSY,
+        ErrorCode.SANDBOX_STOPPED,
+        ErrorCode.SANDBOX_LIMIT,
+    }
+)
 
 logger = logging.getLogger("sandboxns.coding")
 
@@ -752,25 +764,37 @@ class _Implementation:
         if binding.session.network_generation != generation:
             raise ToolRefusal(INSUFFICIENT, "the network policy changed while the command was prepared", "call again")
         capture = _OutputCapture(self.limits.max_artifact_bytes)
+        started = trio.current_time()
         try:
             result = await binding.session._execute(
-                [self.executables[alias], *args], env={**self.environment, "PWD": guest_cwd}, cwd=guest_cwd,
-                timeout=self.limits.shell_timeout, output=capture, kill_when=capture.overflow,
-            )  # fmt: skip
+                [self.executables[alias], *args],
+                env={**self.environment, "PWD": guest_cwd},
+                cwd=guest_cwd,
+                timeout=self.limits.shell_timeout,
+                output=capture,
+                kill_when=capture.overflow,
+                cancel_grace=CANCEL_GRACE,
+            )
         except SandboxError as exc:
-            if exc.code in (
-                ErrorCode.SANDBOX_NOT_FOUND,
-                ErrorCode.SANDBOX_INVALID_ARGUMENT,
-                ErrorCode.SANDBOX_BUSY,
-                ErrorCode.SANDBOX_STOPPED,
-                ErrorCode.SANDBOX_LIMIT,
-            ):
+            if exc.code == ErrorCode.SANDBOX_STOPPED and capture.kept:
+                # The session was stopped under a running command: it was
+                # killed, and what it wrote so far is still worth showing.
+                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), False)
+                duration = round(trio.current_time() - started, 3)
+                return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
+            if exc.code in REFUSED_AS_IS:
                 raise ToolRefusal(exc.code.value, exc.message) from None
-            raise binding.unavailable("run_command", exc) from exc  # fmt: skip
+            raise binding.unavailable("run_command", exc) from exc
         outcome = "timeout" if result.timed_out else "output-limit" if capture.truncated else "exited"
-        return {"exit_code": result.exit_code, "signal": result.signal, "outcome": outcome,
-                "duration": round(result.duration, 3), **self._shape_output(result.stdout_bytes,
-                result.stderr_bytes, capture.truncated)}  # fmt: skip
+        shown = self._shape_output(result.stdout_bytes, result.stderr_bytes, capture.truncated)
+        duration = round(result.duration, 3)
+        return {
+            "exit_code": result.exit_code,
+            "signal": result.signal,
+            "outcome": outcome,
+            "duration": duration,
+            **shown,
+        }
 
     def _shape_output(self, stdout: bytes, stderr: bytes, truncated: bool) -> dict:
         budget = self.limits.max_shell_output_bytes

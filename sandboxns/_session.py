@@ -347,18 +347,21 @@ class Session:
         stdin: bytes | None = None,
         stdin_fd: int | None = None,
         kill_when: trio.Event | None = None,
+        cancel_grace: float = CANCEL_GRACE,
     ) -> RunResult:
         """Run checked arguments to completion, handing the output streams to
         ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
         through instead (the CLI's own input). Setting ``kill_when`` kills
-        the command's tree (an output sink's way to say "enough")."""
+        the command's tree (an output sink's way to say "enough"). On
+        cancellation the command gets ``cancel_grace`` seconds between SIGTERM
+        and SIGKILL."""
         if self._changing_network:
             raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
         if self._admission is not None:
             self._admission.acquire()
         self._running += 1
         try:
-            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd, kill_when)
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd, kill_when, cancel_grace)
         finally:
             self._running -= 1
             if self._admission is not None:
@@ -374,6 +377,7 @@ class Session:
         stdin: bytes | None,
         stdin_fd: int | None,
         kill_when: trio.Event | None,
+        cancel_grace: float,
     ) -> RunResult:
         """Spawn, feed, drain and wait; returns only once the command's whole
         tree is gone, whatever happens (timeout, cancellation, a stop)."""
@@ -424,7 +428,7 @@ class Session:
             with trio.CancelScope(shield=True):
                 if status is None and failure is None:
                     with contextlib.suppress(SandboxError):
-                        await _terminate(process, CANCEL_GRACE)
+                        await _terminate(process, cancel_grace)
                 await process.aclose()
                 if failure is not None and failure.code == ErrorCode.SANDBOX_STOPPED:
                     # The session died under the command; its tree is gone

@@ -440,3 +440,25 @@ async def test_a_driver_without_a_workspace_binding_is_refused(session):
     with pytest.raises(SandboxError) as error:
         await create_sandbox_coding_tools(sandboxns.create_sandbox_session(Remote()), authorize=lambda op: True)
     assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
+
+
+async def test_stopping_the_session_cancels_a_running_command(driver_name, state_dir, workspace, recorder):
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
+        handle = await backend.create(workspace=workspace)
+        tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize)
+        started = workspace / "started"
+        os.mkfifo(started)
+        marker = sleep_marker()
+        results = []
+
+        async def long() -> None:
+            script = f"echo partial; echo > started; sleep {marker} & sleep {marker}"
+            results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long)
+            await trio.to_thread.run_sync(started.read_bytes)
+            await handle.stop()
+    [result] = results
+    assert (result["outcome"], result["stdout"]) == ("cancelled", "partial\n")
+    assert host_processes_with(marker) == []
