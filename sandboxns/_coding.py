@@ -22,12 +22,13 @@ import hashlib
 import inspect
 import logging
 import os
-import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
 import trio
 
 from . import _coding_files as files
@@ -76,6 +77,9 @@ class CodingLimits:
     max_hashed_file_bytes: int = 64 * 1024 * 1024
     max_artifact_bytes: int = 8 * 1024 * 1024
     max_artifacts: int = 64
+    max_artifact_store_bytes: int = 64 * 1024 * 1024
+    max_pattern_chars: int = 1000
+    search_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -181,15 +185,23 @@ class ArtifactStore:
     in the workspace) for the model to page through. Bounded: the oldest
     artifacts are dropped beyond ``max_artifacts``."""
 
-    def __init__(self, max_artifacts: int = CodingLimits.max_artifacts) -> None:
+    def __init__(
+        self,
+        max_artifacts: int = CodingLimits.max_artifacts,
+        max_total_bytes: int = CodingLimits.max_artifact_store_bytes,
+    ) -> None:
         self._items: dict[str, Artifact] = {}
         self._max = max_artifacts
+        self._max_bytes = max_total_bytes
+        self._bytes = 0
 
     def add(self, artifact: Artifact) -> str:
         reference = f"out-{secrets.token_hex(6)}"
         self._items[reference] = artifact
-        while len(self._items) > self._max:
-            del self._items[next(iter(self._items))]
+        self._bytes += len(artifact.stdout) + len(artifact.stderr)
+        while len(self._items) > self._max or (self._bytes > self._max_bytes and len(self._items) > 1):
+            dropped = self._items.pop(next(iter(self._items)))
+            self._bytes -= len(dropped.stdout) + len(dropped.stderr)
         return reference
 
     def get(self, reference: str) -> Artifact:
@@ -310,6 +322,8 @@ class CodingTools:
             return refusal.as_result()
         except SandboxError as exc:
             return ToolRefusal(exc.code.value, exc.message).as_result()
+        except Exception as exc:  # noqa: BLE001 - a bug is the host's to see, never the model's
+            return self._binding.unavailable(name, exc).as_result()
 
 
 class _Binding:
@@ -354,12 +368,16 @@ test -w /workspace && echo "workspace-writable=1" || echo "workspace-writable=0"
 echo "shell-pid=$$"
 echo "processes=$(ls /proc | grep -c '^[0-9]')"
 echo "environment=$(env | grep -v '^PWD=' | wc -l)"
-test -e "$1" && echo "host-home=1" || echo "host-home=0"
+read -r home
+test -e "$home" && echo "host-home=1" || echo "host-home=0"
 """
 
 
 async def _probe(binding: _Binding) -> dict[str, bool]:
-    result = await binding.session.run("/bin/sh", ["-c", _PROBE, "probe", os.path.expanduser("~")], env={}, timeout=10)
+    # The host's home goes in on stdin: an argument would show in /proc.
+    result = await binding.session.run(
+        "/bin/sh", ["-c", _PROBE], env={}, stdin=os.path.expanduser("~") + "\n", timeout=10
+    )
     facts = dict(line.split("=", 1) for line in result.stdout.split() if "=" in line)
     if result.exit_code != 0 or len(facts) != 8:
         raise RuntimeError(f"restriction probe failed: {result.exit_code} {result.stderr.strip()[:200]}")
@@ -391,7 +409,17 @@ def _argument(arguments: dict, name: str, kind: type | tuple, default: Any = ...
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be {expected}")
+    if isinstance(value, str):
+        _check_text(value, name)
     return value
+
+
+def _check_text(value: str, name: str) -> None:
+    """Refuse what cannot be UTF-8 (lone surrogates from JSON's \\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} is not valid Unicode text") from None
 
 
 def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> str:
@@ -400,6 +428,7 @@ def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> s
     segment, nothing that needs normalising."""
     if not isinstance(path, str) or not path:
         raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be a non-empty string")
+    _check_text(path, name)
     if len(path.encode()) > limits.max_path_bytes:
         raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"{name} is longer than {limits.max_path_bytes} bytes")
     if "\\" in path or "\0" in path:
@@ -411,7 +440,7 @@ def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> s
         raise ToolRefusal(
             ErrorCode.SANDBOX_PATH_REFUSED, f"{name} must be inside {WORKSPACE}", "use a path relative to the workspace"
         )
-    segments = relative.rstrip("/").split("/") if relative.endswith("/") else relative.split("/")
+    segments = relative.removesuffix("/").split("/")  # one trailing slash, as for a directory
     if any(segment in ("", ".", "..") for segment in segments):
         raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, f"{name} has an empty, '.' or '..' segment")
     return f"{WORKSPACE}/{'/'.join(segments)}"
@@ -464,7 +493,7 @@ async def create_sandbox_coding_tools(
         raise SandboxError(ErrorCode.SANDBOX_INSUFFICIENT, f"the session does not provide {', '.join(missing)}")
     implementation = _Implementation(
         binding, authorize, authorize_path, dict(executables), env, tuple(required_restrictions), limits,
-        artifacts or ArtifactStore(limits.max_artifacts),
+        artifacts or ArtifactStore(limits.max_artifacts, limits.max_artifact_store_bytes),
     )  # fmt: skip
     return CodingTools(implementation.tools(), binding)
 
@@ -587,7 +616,12 @@ class _Implementation:
         await self.require_path(guest_path)
         creates = tuple(await self.call_files(files.missing_directories, guest_path))
         await self.authorize(WriteOperation(guest_path, len(content), overwrite, creates))
-        created = await self.call_files(files.write_atomically, guest_path, content, overwrite)
+        try:
+            created = await self.call_files(files.write_atomically, guest_path, content, overwrite, None, creates)
+        except files.StaleError:
+            raise ToolRefusal(
+                EDIT_STALE, f"the directories above {guest_path} changed while the write was authorized", "call again"
+            ) from None
         return {"path": guest_path, "bytes": len(content), "created_directories": created,
                 "sha256": hashlib.sha256(content).hexdigest()}  # fmt: skip
 
@@ -601,6 +635,9 @@ class _Implementation:
         if not old_text:
             raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "old_text must not be empty")
         await self.require_path(guest_path)
+        # An edit reads the file, and its refusals (no match, ambiguous,
+        # stale) tell about its content: the host must allow the read first.
+        await self.authorize(ReadOperation(guest_path, 0, self.limits.max_write_bytes))
         # One edit at a time per tools object, and a re-check of the base
         # just before the rename, so two edits from one base never both land.
         async with self.binding.edit_lock:
@@ -640,14 +677,15 @@ class _Implementation:
         await self.require_path(guest_path)
         await self.authorize(ListOperation(guest_path))
         entries = await self.call_files(files.list_directory, guest_path)
+        limit = self.limits.max_list_entries
         shown, denied = [], []
-        for entry in entries:
+        for entry in entries[: limit + 1]:  # the host is asked about no more than can be shown
             if await self.path_allowed(entry.path):
                 shown.append({"name": entry.path.rsplit("/", 1)[1], "kind": entry.kind, "size": entry.size})
             else:
                 denied.append(entry.path.rsplit("/", 1)[1])
-        limit = self.limits.max_list_entries
-        return {"path": guest_path, "entries": shown[:limit], "truncated": len(shown) > limit, "denied": denied}
+        truncated = len(entries) > limit
+        return {"path": guest_path, "entries": shown[:limit], "truncated": truncated, "denied": denied}
 
     async def _walk(self, guest_path: str) -> tuple[list[files.Entry], list[str]]:
         """Entries under a directory the host allows (denied ones listed
@@ -675,7 +713,7 @@ class _Implementation:
         return kept, denied
 
     async def glob(self, arguments: dict) -> dict:
-        pattern = _argument(arguments, "pattern", str)
+        pattern = self._pattern(arguments, "pattern")
         guest_path = check_tool_path(arguments.get("path", "."), self.limits)
         await self.require_path(guest_path)
         await self.authorize(GlobOperation(guest_path, pattern))
@@ -685,59 +723,71 @@ class _Implementation:
         limit = self.limits.max_search_results
         return {"path": guest_path, "matches": matches[:limit], "truncated": len(matches) > limit, "denied": denied}
 
+    def _pattern(self, arguments: dict, name: str, required: bool = True) -> str | None:
+        value = _argument(arguments, name, str) if required else _argument(arguments, name, str, None)
+        if value is not None and (not value or len(value) > self.limits.max_pattern_chars):
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must have 1 to {self.limits.max_pattern_chars} characters"
+            )
+        return value
+
+    def _compile(self, query: str, use_regex: bool):
+        try:
+            return regex.compile(query if use_regex else regex.escape(query))
+        except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as exc:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
+
+    async def _search(self, function, *args):
+        """Run a search in a worker thread against the search time budget."""
+        deadline = time.monotonic() + self.limits.search_seconds
+        try:
+            return await function(*args, deadline)
+        except files.SearchTimeout:
+            raise ToolRefusal(
+                ErrorCode.SANDBOX_LIMIT, f"the search took over {self.limits.search_seconds:g} s",
+                "use a simpler expression or a narrower path",
+            ) from None  # fmt: skip
+
     async def search_files(self, arguments: dict) -> dict:
-        query = _argument(arguments, "query", str)
+        query = self._pattern(arguments, "query")
         use_regex = _argument(arguments, "regex", bool, False)
-        include = _argument(arguments, "include", str, None)
+        include = self._pattern(arguments, "include", required=False)
         search_paths = _argument(arguments, "search_paths", bool, False)
         context = _argument(arguments, "context_lines", int, 0)
         guest_path = check_tool_path(arguments.get("path", "."), self.limits)
-        if not query or not 0 <= context <= 10:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "query must not be empty; context_lines is 0-10")
-        try:
-            matcher = re.compile(query if use_regex else re.escape(query))
-        except re.error as exc:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
+        if not 0 <= context <= 10:
+            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "context_lines must be 0 to 10")
+        pattern = self._compile(query, use_regex)
         await self.require_path(guest_path)
         await self.authorize(SearchOperation(guest_path, query, use_regex, include))
         entries, denied = await self._walk(guest_path)
         prefix = len(guest_path) + 1
-        results: list[dict] = []
+        candidates = [
+            e.path for e in entries
+            if e.kind == "file" and (include is None or files.glob_match(include, e.path[prefix:])
+                                     or files.glob_match(include, e.path.rsplit("/", 1)[1]))
+        ]  # fmt: skip
         limit = self.limits.max_search_results
-        for entry in entries:
-            if entry.kind != "file" or (
-                include
-                and not files.glob_match(include, entry.path[prefix:])
-                and not files.glob_match(include, entry.path.rsplit("/", 1)[1])
-            ):
-                continue  # fmt: skip
-            if search_paths:
-                if matcher.search(entry.path[prefix:]):
-                    results.append({"path": entry.path})
-            else:
-                results += await self._search_file(entry.path, matcher, context, limit - len(results))
-            if len(results) > limit:
-                break
-        return {"path": guest_path, "matches": results[:limit], "truncated": len(results) > limit, "denied": denied}
+        if search_paths:
 
-    async def _search_file(self, guest_path: str, matcher: re.Pattern, context: int, room: int) -> list[dict]:
-        try:
-            data = await self.call_files(files.read_whole, guest_path, self.limits.max_read_bytes)
-        except SandboxError:
-            return []  # too large, vanished or swapped: skipped, never followed
-        if b"\0" in data[:8192]:
-            return []  # binary
-        lines = data.decode("utf-8", "replace").splitlines()
-        found = []
-        for number, line in enumerate(lines):
-            if matcher.search(line):
-                found.append({
-                    "path": guest_path, "line": number + 1, "text": line[:500],
-                    "before": lines[max(0, number - context):number], "after": lines[number + 1:number + 1 + context],
-                })  # fmt: skip
-                if len(found) > room:
-                    break
-        return found
+            async def by_path(deadline: float) -> list[dict]:
+                names = "\n".join(path[prefix:] for path in candidates)
+                found = await trio.to_thread.run_sync(
+                    lambda: [n for n, _ in files.search_lines(names, pattern, limit + 1, deadline)]
+                )
+                return [{"path": candidates[n]} for n in found]
+
+            results = await self._search(by_path)
+        else:
+
+            async def by_content(deadline: float) -> list[dict]:
+                found = await self.call_files(
+                    files.search_contents, candidates, pattern, context, limit, deadline, self.limits.max_read_bytes
+                )
+                return [vars(match) for match in found]
+
+            results = await self._search(by_content)
+        return {"path": guest_path, "matches": results[:limit], "truncated": len(results) > limit, "denied": denied}
 
     async def run_command(self, arguments: dict) -> dict:
         alias = _argument(arguments, "executable", str)
@@ -749,6 +799,8 @@ class _Implementation:
             )
         if not all(isinstance(arg, str) and "\0" not in arg for arg in args):
             raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "args must be strings without NUL")
+        for arg in args:
+            _check_text(arg, "args")
         if len(args) > self.limits.max_args or sum(len(a.encode()) + 1 for a in args) > self.limits.max_args_bytes:
             raise ToolRefusal(
                 ErrorCode.SANDBOX_LIMIT, f"at most {self.limits.max_args} args of {self.limits.max_args_bytes} bytes"
@@ -835,20 +887,27 @@ class _Implementation:
 
     async def search_output(self, arguments: dict) -> dict:
         reference = _argument(arguments, "reference", str)
-        query = _argument(arguments, "query", str)
+        query = self._pattern(arguments, "query")
         use_regex = _argument(arguments, "regex", bool, False)
-        try:
-            matcher = re.compile(query if use_regex else re.escape(query))
-        except re.error as exc:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
+        pattern = self._compile(query, use_regex)
         artifact = self.artifacts.get(reference)
         await self.authorize(ArtifactOperation(reference, "artifact-search"))
-        matches = []
-        for stream in ("stdout", "stderr"):
-            for number, line in enumerate(getattr(artifact, stream).decode("utf-8", "replace").splitlines()):
-                if matcher.search(line):
-                    matches.append({"stream": stream, "line": number + 1, "text": line[:500]})
         limit = self.limits.max_search_results
+
+        def scan(deadline: float) -> list[dict]:
+            matches = []
+            for stream in ("stdout", "stderr"):
+                text = getattr(artifact, stream).decode("utf-8", "replace")
+                for number, lines in files.search_lines(text, pattern, limit + 1 - len(matches), deadline):
+                    matches.append({"stream": stream, "line": number + 1, "text": lines[number][:500]})
+                if len(matches) > limit:
+                    break
+            return matches
+
+        async def in_worker(deadline: float) -> list[dict]:
+            return await trio.to_thread.run_sync(scan, deadline)
+
+        matches = await self._search(in_worker)
         return {"reference": reference, "matches": matches[:limit], "truncated": len(matches) > limit}
 
 

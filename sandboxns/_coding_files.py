@@ -12,11 +12,12 @@ and skip dependency and VCS directories.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import os
-import re
 import secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -113,6 +114,10 @@ def _utf8_slice(window: bytes, max_bytes: int) -> tuple[int, int]:
             cut -= 1
         if cut > start:
             end = cut
+        elif _continues(window[end]):
+            # Fewer bytes asked for than the character has: give it whole.
+            while end < len(window) and end - start < 4 and _continues(window[end]):
+                end += 1
     return start, end
 
 
@@ -170,15 +175,24 @@ def missing_directories(root: int, guest_path: str) -> list[str]:
 
 
 def write_atomically(
-    root: int, guest_path: str, data: bytes, overwrite: bool, expected_sha256: str | None = None
+    root: int,
+    guest_path: str,
+    data: bytes,
+    overwrite: bool,
+    expected_sha256: str | None = None,
+    authorized_directories: tuple[str, ...] | None = None,
 ) -> list[str]:
     """Create (with missing parent directories) or replace a file by a new
-    file renamed over it. Returns the directories created. Refuses to
-    replace unless ``overwrite``; with ``expected_sha256``, refuses unless
-    the current content still has that hash (checked just before the
-    rename)."""
+    file renamed over it. Returns the directories created, which must be
+    ``authorized_directories`` when given. Without ``overwrite`` an existing
+    file is never replaced (the new one is linked into place, which fails if
+    the name exists); with ``expected_sha256``, refuses unless the current
+    content still has that hash (checked just before the rename)."""
     created = []
-    for directory in missing_directories(root, guest_path):
+    missing = missing_directories(root, guest_path)
+    if authorized_directories is not None and tuple(missing) != authorized_directories:
+        raise StaleError(guest_path)
+    for directory in missing:
         parent_fd = open_path(root, directory.rsplit("/", 1)[0], os.O_PATH | os.O_DIRECTORY)
         try:
             os.mkdir(directory.rsplit("/", 1)[1], 0o755, dir_fd=parent_fd)
@@ -210,10 +224,22 @@ def write_atomically(
         finally:
             os.close(fd)
         if expected_sha256 is not None:
-            now = read_whole(root, guest_path, 1 << 30)
+            try:
+                now = read_whole(root, guest_path, max(len(data), current.st_size if current else 0))
+            except SandboxError:
+                raise StaleError(guest_path) from None  # grew, vanished or turned into something else
             if hashlib.sha256(now).hexdigest() != expected_sha256:
                 raise StaleError(guest_path)
-        os.rename(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        if overwrite:
+            os.rename(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        else:
+            try:
+                os.link(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd, follow_symlinks=False)
+            except FileExistsError:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} exists; pass overwrite=true"
+                ) from None
+            os.unlink(temporary, dir_fd=parent_fd)
         temporary = None
     except OSError as exc:
         raise _refused(exc, guest_path) from None
@@ -254,7 +280,10 @@ def list_directory(root: int, guest_path: str) -> list[Entry]:
         entries = []
         with os.scandir(fd) as listing:
             for entry in listing:
-                info = entry.stat(follow_symlinks=False)
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed while we listed: it is not there
                 entries.append(Entry(f"{guest_path}/{entry.name}", _kind(info.st_mode), info.st_size))
         return sorted(entries, key=lambda e: e.path)
     finally:
@@ -288,23 +317,76 @@ def walk(
 
 
 def glob_match(pattern: str, relative: str) -> bool:
-    """fnmatch with ``**`` spanning directories and ``*`` not."""
-    regex = ""
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            regex += "(?:.*/)?"
-            i += 3
-        elif pattern.startswith("**", i):
-            regex += ".*"
-            i += 2
-        elif pattern[i] == "*":
-            regex += "[^/]*"
-            i += 1
-        elif pattern[i] == "?":
-            regex += "[^/]"
-            i += 1
+    """Whether a workspace-relative path matches a glob: ``*``, ``?`` and
+    ``[...]`` within one path segment, ``**`` for any number of segments.
+    Segment by segment with fnmatch (which does not backtrack
+    exponentially) and a table for ``**``, so no pattern a model writes can
+    take long."""
+    parts, names = pattern.split("/"), relative.split("/")
+    # reachable[j]: the pattern so far can match exactly the first j names.
+    reachable = [True] + [False] * len(names)
+    for part in parts:
+        if part == "**":
+            for j in range(1, len(names) + 1):
+                reachable[j] = reachable[j] or reachable[j - 1]
         else:
-            regex += re.escape(pattern[i])
-            i += 1
-    return re.fullmatch(regex, relative) is not None
+            reachable = [False] + [
+                reachable[j - 1] and fnmatch.fnmatchcase(names[j - 1], part) for j in range(1, len(names) + 1)
+            ]
+    return reachable[len(names)]
+
+
+@dataclass(frozen=True)
+class Match:
+    path: str
+    line: int
+    text: str
+    before: list[str]
+    after: list[str]
+
+
+class SearchTimeout(Exception):
+    """A search ran out of its time budget (a pathological expression)."""
+
+
+def search_lines(text: str, pattern, limit: int, deadline: float, context: int = 0) -> Iterator[tuple[int, list[str]]]:
+    """(line index, lines) for up to ``limit`` lines of ``text`` matching the
+    compiled ``regex`` pattern, giving up (SearchTimeout) at ``deadline``."""
+    lines = text.splitlines()
+    found = 0
+    for number, line in enumerate(lines):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SearchTimeout
+        try:
+            hit = pattern.search(line, timeout=remaining)
+        except TimeoutError:
+            raise SearchTimeout from None
+        if hit:
+            yield number, lines
+            found += 1
+            if found >= limit:
+                return
+
+
+def search_contents(
+    root: int, paths: list[str], pattern, context: int, limit: int, deadline: float, max_file_bytes: int
+) -> list[Match]:
+    """Lines matching ``pattern`` in the given files (skipping binary ones,
+    ones too large, and ones that vanished or became symlinks meanwhile)."""
+    matches: list[Match] = []
+    for guest_path in paths:
+        try:
+            data = read_whole(root, guest_path, max_file_bytes)
+        except SandboxError:
+            continue
+        if b"\0" in data[:8192]:
+            continue
+        for number, lines in search_lines(data.decode("utf-8", "replace"), pattern, limit + 1 - len(matches), deadline):
+            matches.append(
+                Match(guest_path, number + 1, lines[number][:500], lines[max(0, number - context) : number],
+                      lines[number + 1 : number + 1 + context])
+            )  # fmt: skip
+        if len(matches) > limit:
+            break
+    return matches

@@ -462,3 +462,49 @@ async def test_stopping_the_session_cancels_a_running_command(driver_name, state
     [result] = results
     assert (result["outcome"], result["stdout"]) == ("cancelled", "partial\n")
     assert host_processes_with(marker) == []
+
+
+async def test_what_a_model_writes_cannot_hang_or_crash_the_host(session, workspace, recorder):
+    tools = await create_sandbox_coding_tools(
+        session, authorize=recorder.authorize, limits=CodingLimits(search_seconds=0.5)
+    )
+    (workspace / ("a" * 40)).write_text("a" * 5000 + "b\n")
+    with trio.fail_after(10):  # a guard against a hang, not a performance claim
+        globbed = await call(tools, "glob", pattern="*a" * 12 + "b")
+        assert globbed["matches"] == []
+        slow = await call(tools, "search_files", query="(a|aa)+$", regex=True)
+        refused(slow, "SANDBOX_LIMIT")
+        for bad in ("a{99999999999}", "(" * 2000 + ")" * 2000, "["):
+            refused(await call(tools, "search_files", query=bad, regex=True), "SANDBOX_INVALID_ARGUMENT")
+        refused(await call(tools, "search_files", query=""), "SANDBOX_INVALID_ARGUMENT")
+        refused(await call(tools, "glob", pattern="*" * 2000), "SANDBOX_INVALID_ARGUMENT")
+    for name, arguments in (
+        ("read_file", {"path": "\ud800"}),
+        ("write_file", {"path": "x", "content": "\ud800"}),
+        ("run_command", {"executable": "shell", "args": ["\ud800"]}),
+        ("edit_file", {"path": "x", "old_text": "a", "new_text": "\udfff"}),
+    ):
+        refused(await call(tools, name, **arguments), "SANDBOX_INVALID_ARGUMENT")
+
+
+async def test_search_output_is_bounded(tools):
+    result = await call(tools, "run_command", executable="shell", args=["-c", "yes '' | head -c 4000000"])
+    reference = result["artifact"]["reference"]
+    refused(await call(tools, "search_output", reference=reference, query=""), "SANDBOX_INVALID_ARGUMENT")
+    found = await call(tools, "search_output", reference=reference, query="^$", regex=True)
+    assert len(found["matches"]) == 100 and found["truncated"]
+
+
+async def test_an_edit_reveals_nothing_about_a_file_it_may_not_read(tools, workspace, recorder):
+    (workspace / "secret.txt").write_text("token=h\n")
+    recorder.deny_kinds = {"read"}
+    for guess in ("token=h", "token=x"):
+        refused(await call(tools, "edit_file", path="secret.txt", old_text=guess, new_text="y"), "FORBIDDEN")
+    assert (workspace / "secret.txt").read_text() == "token=h\n"
+
+
+async def test_a_character_is_never_split_even_when_asked_for_less(tools, workspace):
+    (workspace / "e.txt").write_text("é😀")
+    first = await call(tools, "read_file", path="e.txt", max_bytes=1)
+    second = await call(tools, "read_file", path="e.txt", offset=first["next_offset"], max_bytes=1)
+    assert (first["text"], second["text"], second["next_offset"]) == ("é", "😀", None)
