@@ -17,6 +17,7 @@ written, but nothing is fsync'd against power loss.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -34,12 +35,13 @@ from ._driver import OverlayUnavailable
 from ._errors import ErrorCode, SandboxError
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._lease import Lease, is_locked
-from ._network import NetworkPolicy, check_network_policy
+from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, create_sandbox_session
 from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
 
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
+MAX_POOL_SIZE = 1024
 STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 
@@ -197,6 +199,18 @@ class SessionHandle:
                 self._deleted = True
 
 
+class _Pool:
+    """Sessions of one template, started and waiting to be handed out."""
+
+    def __init__(self, key: str, size: int) -> None:
+        self.key = key
+        self.size = size
+        self.ready: collections.deque[SessionHandle] = collections.deque()
+        self.wake = trio.Event()  # a hand-out, or a new size
+        self.filled = trio.Event()  # another session is ready (or failed)
+        self.failure: SandboxError | None = None
+
+
 class Backend:
     """Owns a state directory: templates, sessions and their leases, and the
     admission limit shared by all its sessions. Use :func:`open_backend`."""
@@ -219,6 +233,7 @@ class Backend:
         self._sessions = state_directory / "sessions"
         self._overlay = self._driver_class.supports_overlay
         self._live: set[SessionHandle] = set()
+        self._pools: dict[str, _Pool] = {}
         self._closed = False
 
     @property
@@ -267,6 +282,20 @@ class Backend:
         return await self._create_from_template(check_key(template), policy)
 
     async def _create_from_template(self, key: str, policy: NetworkPolicy) -> SessionHandle:
+        pool = self._pools.get(key)
+        if pool is not None and pool.ready:
+            handle = pool.ready.popleft()
+            pool.wake.set()
+            if policy != DENY_ALL:  # pooled sessions wait with no network at all
+                try:
+                    await handle.session.set_network_policy(policy)
+                except BaseException:
+                    await handle.delete()
+                    raise
+            return handle
+        return await self._create_fresh(key, policy)
+
+    async def _create_fresh(self, key: str, policy: NetworkPolicy) -> SessionHandle:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
@@ -420,9 +449,56 @@ class Backend:
         :meth:`GatewayHub.audit_records`."""
         return self._hub.audit_records(buffer)
 
+    async def pool(self, *, template: str, size: int) -> None:
+        """Keep ``size`` sessions of ``template`` started and waiting, so that
+        ``create(template=...)`` hands one out at once (applying the network
+        policy given then) and a new one is started in the background.
+        Returns once the pool is full; ``size=0`` empties it. Sessions never
+        handed out are deleted when the backend closes."""
+        self._check_open()
+        key = check_key(template)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
+            raise _invalid(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
+        if not self._templates.exists(key):
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(key, size)
+            self._nursery.start_soon(self._keep_filled, pool)
+        pool.size = size
+        pool.failure = None
+        pool.wake.set()
+        while len(pool.ready) < size and pool.failure is None:
+            await pool.filled.wait()
+        while len(pool.ready) > size:
+            await pool.ready.pop().delete()
+        if pool.failure is not None:
+            raise pool.failure
+
+    async def _keep_filled(self, pool: _Pool) -> None:
+        """The pool's background task: start sessions until it is full,
+        then sleep until one is handed out or the size changes."""
+        while not self._closed:
+            while len(pool.ready) < pool.size and pool.failure is None and not self._closed:
+                try:
+                    handle = await self._create_fresh(pool.key, DENY_ALL)
+                except SandboxError as exc:
+                    pool.failure = exc  # reported to whoever waits in pool()
+                else:
+                    pool.ready.append(handle)
+                pool.filled.set()
+                pool.filled = trio.Event()
+            await pool.wake.wait()
+            pool.wake = trio.Event()
+
     async def aclose(self) -> None:
-        """Shut down every session this backend still runs."""
+        """Shut down every session this backend still runs, and delete the
+        pooled ones nobody was given."""
         self._closed = True
+        for pool in self._pools.values():
+            pool.wake.set()
+            while pool.ready:
+                await pool.ready.pop().delete()
         for handle in list(self._live):
             await handle.shutdown()
 
