@@ -35,8 +35,8 @@ def template_files(count: int) -> dict[str, bytes]:
     return {f"pkg{i // 100}/module{i}.py": (b"# %d\n" % i).ljust(64, b"x") for i in range(count)}
 
 
-async def measure(reps: int) -> dict[str, dict[str, float]]:
-    samples: dict[str, list[float]] = {f"{layout}/{size}": [] for size in SIZES for layout in LAYOUTS}
+async def measure(reps: int, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, dict[str, float]]:
+    samples: dict[str, list[float]] = {f"{layout}/{size}": [] for size in SIZES for layout in layouts}
     with tempfile.TemporaryDirectory(prefix="sandboxns-bench-") as state:
         async with sandboxns.open_backend(state_directory=state) as backend:
             keys = {
@@ -45,7 +45,7 @@ async def measure(reps: int) -> dict[str, dict[str, float]]:
             }
             for rep in range(reps + 1):  # the first round warms caches and is dropped
                 for size in SIZES:
-                    for layout in LAYOUTS:
+                    for layout in layouts:
                         backend._overlay = layout == "overlay"
                         started = time.perf_counter()
                         handle = await backend.create(template=keys[size])

@@ -9,6 +9,8 @@ alike), the wall time of running /usr/bin/true:
              contract: one bwrap per command plus its bookkeeping)
   bwrap_cli  trio.run_process(["bwrap", "--unshare-all", ..., "/usr/bin/true"]),
              the bare bwrap invocation a hand-rolled wrapper would make
+  sandlock   sandlock.Sandbox(...).run(["/usr/bin/true"]), if installed
+  srt        the srt CLI (@anthropic-ai/sandbox-runtime), if installed
 
 Usage: python benchmarks/spawn_latency.py [-n N] [--json FILE]
 """
@@ -63,7 +65,41 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def measure(n: int) -> dict[str, dict[str, float]]:
+def peer_variants(stack: contextlib.ExitStack) -> dict[str, tuple[Callable[[], Awaitable[object]], int]]:
+    """The peers, where installed: sandlock (Landlock + seccomp, from PyPI)
+    and srt (the @anthropic-ai/sandbox-runtime CLI). Each comes with how
+    rarely to sample it: srt starts node for every command."""
+    peers: dict[str, tuple[Callable[[], Awaitable[object]], int]] = {}
+    try:
+        import sandlock
+    except ImportError:
+        pass
+    else:
+        box = sandlock.Sandbox(
+            fs_readable=["/usr", "/lib", "/lib64", "/bin", "/etc"], fs_writable=["/tmp"], clean_env=True
+        )
+
+        async def run_sandlock() -> None:
+            # sandlock's API is blocking; calling it inline measures it alone.
+            assert box.run([TRUE]).exit_code == 0
+
+        peers["sandlock"] = (run_sandlock, 1)
+    srt = shutil.which("srt")
+    if srt is not None:
+        settings = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".json"))  # noqa: SIM115
+        json.dump({"network": {"allowedDomains": [], "deniedDomains": []},
+                   "filesystem": {"denyRead": [], "allowWrite": ["/tmp"], "denyWrite": []}}, settings)  # fmt: skip
+        settings.flush()
+
+        async def run_srt() -> None:
+            await trio.run_process([srt, "-s", settings.name, TRUE])
+
+        peers["srt"] = (run_srt, 50)
+    return peers
+
+
+async def sample(n: int, progress: Callable[[str, float], None] = lambda name, done: None) -> dict[str, list[float]]:
+    """Raw wall times (seconds) per variant, interleaved round by round."""
     bwrap = bwrap_argv()
     async with contextlib.AsyncExitStack() as stack:
         sessions = {}
@@ -84,20 +120,31 @@ async def measure(n: int) -> dict[str, dict[str, float]]:
         async def bwrap_cli() -> None:
             await trio.run_process(bwrap)
 
-        variants: dict[str, Callable[[], Awaitable[object]]] = {"bare": bare, "native": through(sessions["native"])}
+        # name -> (run, sample every how many rounds)
+        variants: dict[str, tuple[Callable[[], Awaitable[object]], int]] = {
+            "bare": (bare, 1), "native": (through(sessions["native"]), 1),
+        }  # fmt: skip
         if bwrap is not None:
-            variants["bwrap"] = through(sessions["bwrap"])
-            variants["bwrap_cli"] = bwrap_cli
+            variants["bwrap"] = (through(sessions["bwrap"]), 1)
+            variants["bwrap_cli"] = (bwrap_cli, 1)
+        variants.update(peer_variants(stack.enter_context(contextlib.ExitStack())))
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(max(5, n // 20)):  # warm-up
-            for run in variants.values():
+            for run, _every in variants.values():
                 await run()
-        for _ in range(n):
-            for name, run in variants.items():
+        for round_ in range(n):
+            for name, (run, every) in variants.items():
+                if round_ % every:
+                    continue
                 started = time.perf_counter()
                 await run()
                 samples[name].append(time.perf_counter() - started)
-    return {name: percentiles(values) for name, values in samples.items()}
+            progress("spawn latency", (round_ + 1) / n)
+    return samples
+
+
+async def measure(n: int) -> dict[str, dict[str, float]]:
+    return {name: percentiles(values) for name, values in (await sample(n)).items()}
 
 
 def main() -> int:
@@ -111,7 +158,7 @@ def main() -> int:
     for name, stats in results.items():
         ratio = stats["p50_ms"] / bare
         print(f"{name:<10} {stats['p50_ms']:>8.3f} {stats['p90_ms']:>8.3f} {stats['p99_ms']:>8.3f} {ratio:>8.2f}x")
-    for other in ("bwrap", "bwrap_cli"):
+    for other in ("bwrap", "bwrap_cli", "sandlock", "srt"):
         if other in results:
             speedup = results[other]["p50_ms"] / results["native"]["p50_ms"]
             print(f"native is {speedup:.2f}x faster than {other} at p50")

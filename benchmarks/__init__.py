@@ -1,0 +1,1 @@
+"""The benchmark suite; run it with ``python -m benchmarks``."""
