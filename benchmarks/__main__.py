@@ -28,6 +28,12 @@ from pathlib import Path
 
 import trio
 
+# `python -m benchmarks` in a checkout puts the checkout first on sys.path,
+# and its sandboxns has no compiled parts unless installed in place (pip
+# install -e): then use the installed package instead.
+_checkout = Path(__file__).resolve().parent.parent
+if not any((_checkout / "sandboxns").glob("_sbx*.so")):
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _checkout]
 sys.path.insert(0, str(Path(__file__).parent))  # the scripts import each other as top-level modules
 
 import create_latency
