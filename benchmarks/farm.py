@@ -5,6 +5,8 @@ commands cost.
               templates and handed out from a warm pool
   throughput  commands/s with 8 concurrent callers: session.run("true")
               against bare trio.run_process(["true"])
+  admission   commands/s through the backend's limit of 8 with 8 callers,
+              and with 64 callers backing off when refused
   idle        memory per idle session: sandbox side (PSS of its processes)
               and host side (this process's RSS growth); all open at once
   churn       sessions created and deleted back to back: latency per batch
@@ -31,6 +33,8 @@ from create_latency import template_files
 import sandboxns
 
 TRUE = "/usr/bin/true"
+# How long a refused caller waits before trying again (a polite client).
+BACKOFF = 0.005
 
 
 def pss_kib(pid: int) -> int:
@@ -125,6 +129,37 @@ async def measure_throughput(backend, seconds: float, concurrency: int = 8) -> d
     return {**{k: round(v, 1) for k, v in rates.items()}, "native/bare": round(rates["native"] / rates["bare"], 3)}
 
 
+async def measure_admission(backend, seconds: float) -> dict:
+    """Commands/s through a backend's admission limit (8) with 8 callers,
+    and with 64 callers that back off a little when refused: the limit must not
+    cost throughput, only turn the excess away."""
+    key = (await backend.prewarm(template="empty", files={})).template_key
+    handles = [await backend.create(template=key) for _ in range(8)]
+    results = {}
+    for callers in (8, 64):
+        done = refused = 0
+        deadline = trio.current_time() + seconds
+
+        async def caller(session, deadline=deadline) -> None:
+            nonlocal done, refused
+            while trio.current_time() < deadline:
+                try:
+                    await session.run(TRUE)
+                    done += 1
+                except sandboxns.SandboxError:
+                    refused += 1
+                    await trio.sleep(BACKOFF)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(callers):
+                nursery.start_soon(caller, handles[i % len(handles)].session)
+        results[f"{callers}_callers_per_s"] = round(done / seconds, 1)
+        results[f"{callers}_callers_refused_per_s"] = round(refused / seconds, 1)
+    for handle in handles:
+        await handle.delete()
+    return results
+
+
 async def measure_idle(backend, sessions: int) -> dict:
     key = (await backend.prewarm(template="idle", files=template_files(10))).template_key
     before_pids = set(descendants(os.getpid()))
@@ -179,6 +214,7 @@ async def measure(args: argparse.Namespace) -> dict:
             return {
                 "create_p50_ms": await measure_create(backend, args.reps),
                 "throughput_per_s": await measure_throughput(backend, args.seconds),
+                "admission": await measure_admission(backend, args.seconds),
                 "idle": idle,
                 "churn": await measure_churn(backend, args.churn),
             }

@@ -60,12 +60,15 @@ class CommandSlots:
         self.limit = limit
         self.active = 0
 
-    def acquire(self) -> None:
+    def check(self) -> None:
         if self.active >= self.limit:
             raise SandboxError(
                 ErrorCode.SANDBOX_BUSY,
                 f"all {self.limit} command slots are in use (max_concurrent_commands); try again when one finishes",
             )
+
+    def acquire(self) -> None:
+        self.check()
         self.active += 1
 
     def release(self) -> None:

@@ -204,6 +204,11 @@ async def _terminate(process: SandboxProcess, grace: float) -> None:
 class Admission(Protocol):
     """A limit on concurrently running commands, shared by sessions."""
 
+    def check(self) -> None:
+        """Raise SandboxError(SANDBOX_BUSY) if no slot is free, taking none:
+        lets a full backend turn callers away before any other work."""
+        ...
+
     def acquire(self) -> None:
         """Take a slot, or raise SandboxError(SANDBOX_BUSY) at once."""
         ...
@@ -317,6 +322,8 @@ class Session:
         and ``timed_out`` is set. Cancelling the call kills the tree before
         the cancellation propagates.
         """
+        if self._admission is not None:
+            self._admission.check()  # refusals are the common case under load: make them cheap
         argv, env, guest_cwd, timeout = check_command(executable, args, env, cwd, timeout)
         if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
             raise _invalid(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
