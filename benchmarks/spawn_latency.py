@@ -127,19 +127,23 @@ async def sample(n: int, progress: Callable[[str, float], None] = lambda name, d
         if bwrap is not None:
             variants["bwrap"] = (through(sessions["bwrap"]), 1)
             variants["bwrap_cli"] = (bwrap_cli, 1)
-        variants.update(peer_variants(stack.enter_context(contextlib.ExitStack())))
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(max(5, n // 20)):  # warm-up
-            for run, _every in variants.values():
-                await run()
-        for round_ in range(n):
-            for name, (run, every) in variants.items():
-                if round_ % every:
-                    continue
-                started = time.perf_counter()
-                await run()
-                samples[name].append(time.perf_counter() - started)
-            progress("spawn latency", (round_ + 1) / n)
+        peers = peer_variants(stack.enter_context(contextlib.ExitStack()))
+        samples: dict[str, list[float]] = {}
+        # Ours interleaved, then the peers on their own: a peer that starts
+        # node or blocks the loop must not weigh on the others' numbers.
+        for phase, group in (("spawn latency", variants), ("peers", peers)):
+            samples.update({name: [] for name in group})
+            for _ in range(max(5, n // 20) if group else 0):  # warm-up
+                for run, _every in group.values():
+                    await run()
+            for round_ in range(n if group else 0):
+                for name, (run, every) in group.items():
+                    if round_ % every:
+                        continue
+                    started = time.perf_counter()
+                    await run()
+                    samples[name].append(time.perf_counter() - started)
+                progress(phase, (round_ + 1) / n)
     return samples
 
 

@@ -174,6 +174,8 @@ int main(int argc, char **argv)
     }
     if (!cfg.share_network && net_loopback_up(&err) < 0)
         goto report;
+    if (userns_empty_bounding_set(&err) < 0)
+        goto report;
     workspace = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (workspace < 0) {
         fail(&err, "workspace", errno, "cannot open /workspace: %s", strerror(errno));

@@ -38,6 +38,7 @@ int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS]);
 /* userns.c */
 int userns_enter(const struct holder_config *cfg, struct sbx_report *err);
 int userns_forbid_nesting(struct sbx_report *err);
+int userns_empty_bounding_set(struct sbx_report *err);
 
 /* rootfs.c */
 int rootfs_build(const struct holder_config *cfg, struct sbx_report *err);

@@ -48,16 +48,9 @@ static int drop_capabilities(struct sbx_report *err)
     struct __user_cap_header_struct header = {.version = _LINUX_CAPABILITY_VERSION_3};
     struct __user_cap_data_struct data[2];
 
-    /* Empty the bounding set first (needs CAP_SETPCAP, which we still
-     * have); then even a uid-0 guest gains nothing on execve. */
-    for (int cap = 0;; cap++) {
-        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
-            if (errno == EINVAL)
-                break; /* past the kernel's last capability */
-            return fail(err, "capabilities", errno, "cannot drop capability %d: %s", cap,
-                        strerror(errno));
-        }
-    }
+    /* The bounding set is already empty: the holder emptied its own once
+     * (userns_empty_bounding_set), and every init and command inherits it,
+     * so even a uid-0 guest gains nothing on execve. */
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
         return fail(err, "capabilities", errno, "cannot clear ambient capabilities: %s",
                     strerror(errno));
