@@ -5,6 +5,7 @@ import os
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import LinkError
 
 HOLDER_SOURCES = [
     "csrc/holder.c",
@@ -31,11 +32,15 @@ class build_ext_with_holder(build_ext):
         # After run(), self.compiler is the customised compiler that built
         # the extension; it links executables just as well.
         compiler = self.compiler
-        objects = compiler.compile(
-            HOLDER_SOURCES, output_dir=self.build_temp, extra_postargs=HOLDER_CFLAGS
-        )
+        objects = compiler.compile(HOLDER_SOURCES, output_dir=self.build_temp, extra_postargs=HOLDER_CFLAGS)
         package_dir = "sandboxns" if self.inplace else os.path.join(self.build_lib, "sandboxns")
-        compiler.link_executable(objects, HOLDER_NAME, output_dir=package_dir)
+        # Static where the C library allows it: every command's init is a
+        # fork of the holder, and a static holder has fewer mappings to copy
+        # (one A/B run: about 0.05 off the native/bare latency ratio).
+        try:
+            compiler.link_executable(objects, HOLDER_NAME, output_dir=package_dir, extra_postargs=["-static"])
+        except LinkError:
+            compiler.link_executable(objects, HOLDER_NAME, output_dir=package_dir)
 
 
 setup(
