@@ -42,12 +42,12 @@ from pathlib import Path
 
 import trio
 
-from ._driver import ExitStatus, OverlayUnavailable
+from ._driver import ExitStatus, OverlayUnavailable, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._gateway import GUEST_SOCKET
 from ._lease import Lease, ProcessId
-from ._network import NetworkPolicy, check_network_policy
+from ._network import NetworkPolicy
 from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
@@ -369,15 +369,9 @@ class BwrapDriver(HostWorkspaceIO):
         lease: Lease | None = None,
         gateway_socket: Path | None = None,
     ) -> BwrapDriver:
-        policy = check_network_policy(network)
-        for label, value in (("uid", uid), ("gid", gid)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
-                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
+        workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
-        workspace_path = Path(workspace)
-        if not workspace_path.is_dir():
-            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
         bwrap = find_bwrap()
         if bwrap is None:
             raise SandboxError(
@@ -385,7 +379,7 @@ class BwrapDriver(HostWorkspaceIO):
                 "the bwrap driver needs bubblewrap, which is not installed (apt-get install bubblewrap)",
             )
         self = object.__new__(cls)
-        self.workspace = workspace_path.resolve()
+        self.workspace = workspace_path
         self._bwrap = bwrap
         self._ids = (uid, gid)
         self._lease = lease

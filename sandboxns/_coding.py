@@ -338,14 +338,14 @@ class _Binding:
         self.edit_lock = trio.Lock()
 
     def check_live(self) -> None:
-        handle_live = getattr(self.handle, "live", True)
-        driver = self.session.driver
-        if not handle_live or getattr(driver, "_closed", False):
+        """Refuse once the handle was stopped or the driver is closed (or
+        taken over): old tools never touch a session that moved on."""
+        if not getattr(self.handle, "live", True):
             raise ToolRefusal(
                 ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped", "create new tools from a new handle"
             )
         try:
-            driver._check_usable()
+            self.session.driver._check_usable()
         except SandboxError as exc:
             raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
 

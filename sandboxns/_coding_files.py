@@ -15,14 +15,13 @@ import errno
 import fnmatch
 import hashlib
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE, open_beneath_no_symlinks
+from ._files import WORKSPACE, discard_temporary, open_beneath_no_symlinks, write_temporary
 
 SKIPPED_DIRECTORIES = frozenset(
     {
@@ -205,7 +204,7 @@ def write_atomically(
         created.append(directory)
     parent, name = guest_path.rsplit("/", 1)
     parent_fd = open_path(root, parent, os.O_PATH | os.O_DIRECTORY)
-    temporary = f".{name}.sandboxns-{secrets.token_hex(6)}"
+    temporary = None
     try:
         try:
             current = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
@@ -216,13 +215,7 @@ def write_atomically(
         if current is not None and not stat.S_ISREG(current.st_mode):
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not a regular file")
         mode = stat.S_IMODE(current.st_mode) if current is not None else 0o644
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=parent_fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        temporary = write_temporary(parent_fd, name, data, mode)
         if expected_sha256 is not None:
             try:
                 now = read_whole(root, guest_path, max(len(data), current.st_size if current else 0))
@@ -244,11 +237,7 @@ def write_atomically(
     except OSError as exc:
         raise _refused(exc, guest_path) from None
     finally:
-        if temporary is not None:
-            try:
-                os.unlink(temporary, dir_fd=parent_fd)
-            except OSError:
-                pass
+        discard_temporary(parent_fd, temporary)
         os.close(parent_fd)
     return created
 

@@ -8,6 +8,7 @@ top of it, so every driver gets them identically.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import trio
 
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
-from ._network import NetworkPolicy
+from ._network import NetworkPolicy, check_network_policy
 
 
 class OverlayUnavailable(SandboxError):
@@ -26,6 +27,22 @@ class OverlayUnavailable(SandboxError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.SANDBOX_UNAVAILABLE, message)
+
+
+def check_start_arguments(
+    workspace: str | os.PathLike[str], network: object, uid: object, gid: object
+) -> tuple[Path, NetworkPolicy]:
+    """What every driver's ``start`` checks first: the user and group ids,
+    the network policy, and a workspace that is a directory. Returns the
+    workspace's resolved path and the checked policy."""
+    for label, value in (("uid", uid), ("gid", gid)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
+    policy = check_network_policy(network)
+    workspace_path = Path(workspace)
+    if not workspace_path.is_dir():
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
+    return workspace_path.resolve(), policy
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ is replaced, never written through.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -151,6 +152,32 @@ def open_beneath_no_symlinks(root: int, relative: str, flags: int, mode: int = 0
 _openat2_missing = False
 
 
+def write_temporary(parent: int, name: str, data: bytes, mode: int) -> str:
+    """A new file holding ``data`` beside ``name`` in the directory
+    ``parent``, under a name nobody else uses, for the caller to rename (or
+    link) into place. Writing a new file and renaming it, rather than
+    writing in place, means a failure never leaves half a file and a hard
+    link to the old one is never written through."""
+    temporary = f".{name}.sandboxns-{secrets.token_hex(6)}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=parent)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        discard_temporary(parent, temporary)
+        raise
+    finally:
+        os.close(fd)
+    return temporary
+
+
+def discard_temporary(parent: int, temporary: str | None) -> None:
+    if temporary is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=parent)
+
+
 class WorkspaceFiles:
     """Byte file operations confined to one directory, given as an fd (which
     this object then owns): a host directory, or the session's merged
@@ -220,28 +247,19 @@ class WorkspaceFiles:
 
     def write_bytes(self, guest_path: str, data: bytes) -> None:
         parent, name = self._parent(guest_path)
-        temporary = f".{name}.sandboxns-{secrets.token_hex(6)}"
+        temporary = None
         try:
             try:
                 mode = stat.S_IMODE(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
             except FileNotFoundError:
                 mode = 0o644
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=parent)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
+            temporary = write_temporary(parent, name, data, mode)
             os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)
+            temporary = None
         except OSError as exc:
-            with_cleanup = _error(exc, guest_path)
-            try:
-                os.unlink(temporary, dir_fd=parent)
-            except OSError:
-                pass
-            raise with_cleanup from None
+            raise _error(exc, guest_path) from None
         finally:
+            discard_temporary(parent, temporary)
             os.close(parent)
 
     def list_dir(self, guest_path: str) -> list[DirEntry]:

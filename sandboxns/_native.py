@@ -21,11 +21,11 @@ from pathlib import Path
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, OverlayUnavailable
+from ._driver import ExitStatus, OverlayUnavailable, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
-from ._network import NetworkPolicy, check_network_policy
+from ._network import NetworkPolicy
 from ._session import MAX_COMMAND_BYTES
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
@@ -133,20 +133,14 @@ class NativeDriver(HostWorkspaceIO):
         launcher, so it stays locked until every process of the session is
         gone, even if this process dies first. ``gateway_socket``, for an
         allow-list policy, is bound at /run/sandboxns-network.sock."""
-        policy = check_network_policy(network)
-        for label, value in (("uid", uid), ("gid", gid)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
-                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
-        workspace_path = Path(workspace)
-        if not workspace_path.is_dir():
-            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
+        workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
                 f"the holder program {HOLDER_PATH} is missing; reinstall sandboxns with 'pip install .'",
             )
         self = object.__new__(cls)
-        self.workspace = workspace_path.resolve()
+        self.workspace = workspace_path
         self._base_argv = [str(HOLDER_PATH), f"--uid={uid}", f"--gid={gid}", f"--workspace={self.workspace}"]
         if overlay is not None:
             template, scratch = overlay

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import sandboxns
+from sandboxns import ErrorCode, SandboxError
 from sandboxns._bwrap import find_bwrap
 
 DRIVERS = ["native", "bwrap"]
@@ -48,6 +49,14 @@ def state_dir(tmp_path: Path) -> Path:
 async def backend(driver_name: str, state_dir: Path):
     async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as opened:
         yield opened
+
+
+async def refused(code: ErrorCode, operation) -> SandboxError:
+    """Await ``operation``; it must fail with SandboxError ``code``."""
+    with pytest.raises(SandboxError) as error:
+        await operation
+    assert error.value.code == code, error.value
+    return error.value
 
 
 def sleep_marker() -> str:

@@ -8,19 +8,12 @@ import os
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker
+from conftest import host_processes_with, refused, sleep_marker
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
 
 pytestmark = pytest.mark.smoke
-
-
-async def refused(code: ErrorCode, operation) -> SandboxError:
-    with pytest.raises(SandboxError) as error:
-        await operation
-    assert error.value.code == code, error.value
-    return error.value
 
 
 def tree(root) -> dict[str, bytes]:

@@ -8,17 +8,11 @@ import stat
 
 import pytest
 import trio
+from conftest import refused
 
-from sandboxns import ErrorCode, SandboxError
+from sandboxns import ErrorCode
 
 pytestmark = pytest.mark.smoke
-
-
-async def refused(code: ErrorCode, operation) -> SandboxError:
-    with pytest.raises(SandboxError) as error:
-        await operation
-    assert error.value.code == code, error.value
-    return error.value
 
 
 async def test_files_round_trip_with_the_guest(session, workspace):
