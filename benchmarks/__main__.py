@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the scripts import each other 
 
 import create_latency
 import spawn_latency
+from measuring import per_second, percentiles
 
 import sandboxns
 
@@ -89,19 +90,7 @@ async def throughput(seconds: float, progress: Progress) -> dict[str, dict[str, 
         for name, run in runners.items():
             results[name] = {}
             for concurrency in CONCURRENCY:
-                count = 0
-                deadline = trio.current_time() + seconds
-
-                async def worker(run=run, deadline=deadline) -> None:
-                    nonlocal count
-                    while trio.current_time() < deadline:
-                        await run()
-                        count += 1
-
-                async with trio.open_nursery() as nursery:
-                    for _ in range(concurrency):
-                        nursery.start_soon(worker)
-                results[name][str(concurrency)] = round(count / seconds, 1)
+                results[name][str(concurrency)] = round(await per_second(run, concurrency, seconds), 1)
                 step += 1
                 progress("throughput", step / steps)
     return results
@@ -111,7 +100,7 @@ async def run_suite(args: argparse.Namespace) -> dict:
     progress = Progress()
     samples = await spawn_latency.sample(args.n, progress)
     results = {
-        "spawn": {name: spawn_latency.percentiles(values) for name, values in samples.items()},
+        "spawn": {name: percentiles(values) for name, values in samples.items()},
         "spawn_samples_ms": {name: [round(v * 1000, 4) for v in values] for name, values in samples.items()},
         "throughput_per_s": await throughput(args.seconds, progress),
     }

@@ -16,13 +16,12 @@ Usage: python benchmarks/create_latency.py [-n REPS] [--json FILE]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 
 import trio
-from spawn_latency import percentiles
+from measuring import percentiles, write_json
 
 import sandboxns
 
@@ -66,10 +65,7 @@ def main() -> int:
     for size in SIZES:
         overlay, copy = results[f"overlay/{size}"]["p50_ms"], results[f"copy/{size}"]["p50_ms"]
         print(f"{size:>6} {overlay:>15.3f} {copy:>12.3f} {copy / overlay:>12.2f}x")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
-            out.write("\n")
+    write_json(args.json, results)
     return 0
 
 

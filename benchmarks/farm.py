@@ -29,6 +29,7 @@ from pathlib import Path
 
 import trio
 from create_latency import template_files
+from measuring import per_second, write_json
 
 import sandboxns
 
@@ -103,28 +104,16 @@ async def measure_throughput(backend, seconds: float, concurrency: int = 8) -> d
     key = (await backend.prewarm(template="empty", files={})).template_key
     handle = await backend.create(template=key)
 
-    async def run_for(runner) -> float:
-        count = 0
-        deadline = trio.current_time() + seconds
-
-        async def worker() -> None:
-            nonlocal count
-            while trio.current_time() < deadline:
-                await runner()
-                count += 1
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(worker)
-        return count / seconds
-
     async def native() -> None:
         await handle.session.run(TRUE)
 
     async def bare() -> None:
         await trio.run_process([TRUE])
 
-    rates = {"bare": await run_for(bare), "native": await run_for(native)}
+    rates = {
+        "bare": await per_second(bare, concurrency, seconds),
+        "native": await per_second(native, concurrency, seconds),
+    }
     await handle.delete()
     return {**{k: round(v, 1) for k, v in rates.items()}, "native/bare": round(rates["native"] / rates["bare"], 3)}
 
@@ -233,10 +222,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     results = trio.run(measure, args)
     print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
-            out.write("\n")
+    write_json(args.json, results)
     return 0
 
 

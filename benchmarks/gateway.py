@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 import trio
-from spawn_latency import percentiles
+from measuring import percentiles, write_json
 
 import sandboxns
 
@@ -131,10 +131,7 @@ def main() -> int:
             f" {through['p50_ms'] - direct['p50_ms']:>8.3f}ms {direct['per_s']:>9.0f} {through['per_s']:>10.0f}"
             f" {through['refused']:>6}"
         )
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
-            out.write("\n")
+    write_json(args.json, results)
     return 0
 
 

@@ -22,13 +22,13 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
 import trio
+from measuring import percentiles, write_json
 
 import sandboxns
 
@@ -48,21 +48,6 @@ def bwrap_argv() -> list[str] | None:
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
     return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", TRUE]
-
-
-def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def at(fraction: float) -> float:
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000
-
-    return {
-        "p50_ms": round(at(0.50), 3),
-        "p90_ms": round(at(0.90), 3),
-        "p99_ms": round(at(0.99), 3),
-        "mean_ms": round(statistics.fmean(ordered) * 1000, 3),
-        "n": len(ordered),
-    }
 
 
 def peer_variants(stack: contextlib.ExitStack) -> dict[str, tuple[Callable[[], Awaitable[object]], int]]:
@@ -166,10 +151,7 @@ def main() -> int:
         if other in results:
             speedup = results[other]["p50_ms"] / results["native"]["p50_ms"]
             print(f"native is {speedup:.2f}x faster than {other} at p50")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
-            out.write("\n")
+    write_json(args.json, results)
     return 0
 
 
