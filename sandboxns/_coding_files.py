@@ -11,7 +11,6 @@ and skip dependency and VCS directories.
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import hashlib
 import os
@@ -21,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE, discard_temporary, open_beneath_no_symlinks, write_temporary
+from ._files import WORKSPACE, discard_temporary, entry_kind, open_beneath_no_symlinks, path_error, write_temporary
 
 SKIPPED_DIRECTORIES = frozenset(
     {
@@ -43,24 +42,11 @@ def _relative(guest_path: str) -> str:
     return "." if guest_path == WORKSPACE else guest_path[len(WORKSPACE) + 1 :]
 
 
-def _refused(exc: OSError, guest_path: str) -> SandboxError:
-    """An error that names only the guest path, never a host one."""
-    if exc.errno in (errno.ELOOP, errno.EXDEV):
-        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} is or passes through a symlink")
-    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-        return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path}: permission denied")
-    if exc.errno in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY):
-        return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path}: {os.strerror(exc.errno)}")
-    return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {os.strerror(exc.errno or 0)}")
-
-
 def open_path(root: int, guest_path: str, flags: int, mode: int = 0) -> int:
     try:
         return open_beneath_no_symlinks(root, _relative(guest_path), flags | os.O_NOFOLLOW, mode)
     except OSError as exc:
-        raise _refused(exc, guest_path) from None
+        raise path_error(exc, guest_path) from None
 
 
 def _regular_file(root: int, guest_path: str) -> int:
@@ -162,7 +148,7 @@ def missing_directories(root: int, guest_path: str) -> list[str]:
             parent = parent.rsplit("/", 1)[0]
             continue
         except OSError as exc:
-            raise _refused(exc, parent) from None
+            raise path_error(exc, parent) from None
         mode = os.fstat(fd).st_mode
         os.close(fd)
         if stat.S_ISLNK(mode):
@@ -198,7 +184,7 @@ def write_atomically(
         except FileExistsError:
             pass
         except OSError as exc:
-            raise _refused(exc, directory) from None
+            raise path_error(exc, directory) from None
         finally:
             os.close(parent_fd)
         created.append(directory)
@@ -235,7 +221,7 @@ def write_atomically(
             os.unlink(temporary, dir_fd=parent_fd)
         temporary = None
     except OSError as exc:
-        raise _refused(exc, guest_path) from None
+        raise path_error(exc, guest_path) from None
     finally:
         discard_temporary(parent_fd, temporary)
         os.close(parent_fd)
@@ -253,16 +239,6 @@ class Entry:
     size: int
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
-
-
 def list_directory(root: int, guest_path: str) -> list[Entry]:
     fd = open_path(root, guest_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -273,7 +249,7 @@ def list_directory(root: int, guest_path: str) -> list[Entry]:
                     info = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue  # removed while we listed: it is not there
-                entries.append(Entry(f"{guest_path}/{entry.name}", _kind(info.st_mode), info.st_size))
+                entries.append(Entry(f"{guest_path}/{entry.name}", entry_kind(info.st_mode), info.st_size))
         return sorted(entries, key=lambda e: e.path)
     finally:
         os.close(fd)

@@ -48,7 +48,7 @@ class DirEntry:
     size: int
 
 
-def _kind(mode: int) -> Literal["file", "directory", "symlink", "other"]:
+def entry_kind(mode: int) -> Literal["file", "directory", "symlink", "other"]:
     if stat.S_ISREG(mode):
         return "file"
     if stat.S_ISDIR(mode):
@@ -70,7 +70,9 @@ def _kind_name(mode: int) -> str:
     return "special file"
 
 
-def _error(exc: OSError, guest_path: str) -> SandboxError:
+def path_error(exc: OSError, guest_path: str) -> SandboxError:
+    """The SandboxError for a failed operation on a workspace path; it names
+    only the guest path, never a host one."""
     if exc.errno == errno.EXDEV:
         return SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{guest_path} resolves outside the workspace")
     if exc.errno == errno.ELOOP:
@@ -209,7 +211,7 @@ class WorkspaceFiles:
         try:
             return self._resolve(self._root, self._relative(guest_path), flags, mode)
         except OSError as exc:
-            raise _error(exc, guest_path) from None
+            raise path_error(exc, guest_path) from None
 
     def _parent(self, guest_path: str) -> tuple[int, str]:
         """An O_PATH fd of the parent directory and the final name."""
@@ -257,7 +259,7 @@ class WorkspaceFiles:
             os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)
             temporary = None
         except OSError as exc:
-            raise _error(exc, guest_path) from None
+            raise path_error(exc, guest_path) from None
         finally:
             discard_temporary(parent, temporary)
             os.close(parent)
@@ -269,7 +271,7 @@ class WorkspaceFiles:
             with os.scandir(fd) as listing:
                 for entry in listing:
                     info = entry.stat(follow_symlinks=False)
-                    entries.append(DirEntry(entry.name, _kind(info.st_mode), info.st_size))
+                    entries.append(DirEntry(entry.name, entry_kind(info.st_mode), info.st_size))
             return sorted(entries, key=lambda e: e.name)
         finally:
             os.close(fd)
@@ -286,7 +288,7 @@ class WorkspaceFiles:
             else:
                 os.rmdir(name, dir_fd=parent)
         except OSError as exc:
-            raise _error(exc, guest_path) from None
+            raise path_error(exc, guest_path) from None
         finally:
             os.close(parent)
 
@@ -304,7 +306,7 @@ class WorkspaceFiles:
             if not parents or not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
                 raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} already exists") from None
         except OSError as exc:
-            raise _error(exc, guest_path) from None
+            raise path_error(exc, guest_path) from None
         finally:
             os.close(parent)
 
