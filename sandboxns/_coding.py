@@ -34,7 +34,7 @@ import trio
 from . import _coding_files as files
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO
-from ._session import Session
+from ._session import Session, check_command
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
 DEFAULT_EXECUTABLES: Mapping[str, str] = {"shell": "/usr/bin/sh"}
@@ -797,14 +797,18 @@ class _Implementation:
             raise ToolRefusal(
                 ErrorCode.SANDBOX_NOT_FOUND, f"no executable {alias!r}", f"use one of: {', '.join(self.executables)}"
             )
-        if not all(isinstance(arg, str) and "\0" not in arg for arg in args):
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "args must be strings without NUL")
         for arg in args:
+            if not isinstance(arg, str):
+                raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "args must be strings")
             _check_text(arg, "args")
         if len(args) > self.limits.max_args or sum(len(a.encode()) + 1 for a in args) > self.limits.max_args_bytes:
             raise ToolRefusal(
                 ErrorCode.SANDBOX_LIMIT, f"at most {self.limits.max_args} args of {self.limits.max_args_bytes} bytes"
             )
+        # The session's own checks (NUL, sizes) and its environment rule (PWD).
+        argv, env, _, timeout = check_command(
+            self.executables[alias], args, self.environment, guest_cwd, self.limits.shell_timeout
+        )
         binding = self.binding
         binding.check_live()
         generation = binding.session.network_generation
@@ -819,10 +823,10 @@ class _Implementation:
         started = trio.current_time()
         try:
             result = await binding.session._execute(
-                [self.executables[alias], *args],
-                env={**self.environment, "PWD": guest_cwd},
+                argv,
+                env=env,
                 cwd=guest_cwd,
-                timeout=self.limits.shell_timeout,
+                timeout=timeout,
                 output=capture,
                 kill_when=capture.overflow,
                 cancel_grace=CANCEL_GRACE,

@@ -220,6 +220,13 @@ async def test_search_results_are_bounded(session, workspace, recorder):
     (workspace / "many.txt").write_text("hit\n" * 50)
     found = await call(tools, "search_files", query="hit")
     assert len(found["matches"]) == 5 and found["truncated"]
+    tools = await create_sandbox_coding_tools(
+        session, authorize=recorder.authorize, limits=CodingLimits(max_list_entries=3)
+    )
+    for i in range(5):
+        (workspace / f"f{i}").write_text("")
+    listing = await call(tools, "list_directory")
+    assert len(listing["entries"]) == 3 and listing["truncated"]
 
 
 async def test_authorize_is_asked_first_and_a_no_changes_nothing(tools, workspace, recorder):

@@ -462,3 +462,13 @@ print("cut" if got < 1024 * 1024 else "whole")
 """
     result = await gateway_session.run("python3", ["-c", sleeper], timeout=20)
     assert result.stdout == "cut\n", result
+
+
+async def test_oversized_request_heads_are_refused(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    too_long = http("GET", "/", a.host, "X-Padding: " + "p" * 20_000)
+    too_many = http("GET", "/", a.host, *(f"X-{i}: {i}" for i in range(101)))
+    for raw in (too_long, too_many):
+        [(status, _)] = await send(gateway_session, raw)
+        assert status == 431
+    assert a.requests == []
