@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the scripts import each other 
 
 import create_latency
 import spawn_latency
-from measuring import per_second, percentiles
+from measuring import interleaved_rates, percentiles
 
 import sandboxns
 
@@ -86,13 +86,12 @@ async def throughput(seconds: float, progress: Progress) -> dict[str, dict[str, 
             except sandboxns.SandboxError:
                 continue  # bwrap not installed
             runners[driver] = through(session)
-        steps, step = len(runners) * len(CONCURRENCY), 0
-        for name, run in runners.items():
-            results[name] = {}
-            for concurrency in CONCURRENCY:
-                results[name][str(concurrency)] = round(await per_second(run, concurrency, seconds), 1)
-                step += 1
-                progress("throughput", step / steps)
+        results = {name: {} for name in runners}
+        for step, concurrency in enumerate(CONCURRENCY, 1):
+            rates = await interleaved_rates(runners, concurrency, seconds)
+            for name, rate in rates.items():
+                results[name][str(concurrency)] = round(rate, 1)
+            progress("throughput", step / len(CONCURRENCY))
     return results
 
 

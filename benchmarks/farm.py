@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 from create_latency import template_files
-from measuring import per_second, write_json
+from measuring import interleaved_rates, write_json
 
 import sandboxns
 
@@ -110,10 +110,7 @@ async def measure_throughput(backend, seconds: float, concurrency: int = 8) -> d
     async def bare() -> None:
         await trio.run_process([TRUE])
 
-    rates = {
-        "bare": await per_second(bare, concurrency, seconds),
-        "native": await per_second(native, concurrency, seconds),
-    }
+    rates = await interleaved_rates({"bare": bare, "native": native}, concurrency, seconds)
     await handle.delete()
     return {**{k: round(v, 1) for k, v in rates.items()}, "native/bare": round(rates["native"] / rates["bare"], 3)}
 

@@ -26,9 +26,24 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def per_second(run: Callable[[], Awaitable[object]], concurrency: int, seconds: float) -> float:
-    """How many times per second ``concurrency`` callers complete ``run``,
-    each calling it again as soon as it returns, for ``seconds``."""
+async def interleaved_rates(
+    variants: dict[str, Callable[[], Awaitable[object]]], concurrency: int, seconds: float, rounds: int = 4
+) -> dict[str, float]:
+    """Commands per second of each variant with ``concurrency`` callers,
+    ``seconds`` each in all, measured in ``rounds`` alternating slices so a
+    drift in the machine's background load (deferred namespace teardown,
+    another tenant) falls on every variant alike rather than on whichever
+    ran first."""
+    counts = dict.fromkeys(variants, 0)
+    for _ in range(rounds):
+        for name, run in variants.items():
+            counts[name] += await _count(run, concurrency, seconds / rounds)
+    return {name: count / seconds for name, count in counts.items()}
+
+
+async def _count(run: Callable[[], Awaitable[object]], concurrency: int, seconds: float) -> int:
+    """How many times ``concurrency`` callers complete ``run`` in ``seconds``,
+    each calling it again as soon as it returns."""
     count = 0
     deadline = trio.current_time() + seconds
 
@@ -41,7 +56,7 @@ async def per_second(run: Callable[[], Awaitable[object]], concurrency: int, sec
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(caller)
-    return count / seconds
+    return count
 
 
 def write_json(path: str | None, results: dict) -> None:

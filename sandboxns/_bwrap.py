@@ -48,14 +48,11 @@ from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._gateway import GUEST_SOCKET
 from ._lease import Lease, ProcessId
 from ._network import NetworkPolicy
+from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
-# bwrap's messages about a command it could not start are at most a few lines.
-STDERR_KEPT = 4096
-# How long a failed start waits for bwrap's message to be read.
-MESSAGE_WAIT = 2.0
 MAX_SIGNAL = 64
 # Starting a session runs one command to see that bwrap works here.
 PROBE_TIMEOUT = 10.0
@@ -151,28 +148,6 @@ def _status_from_exit_code(code: int) -> ExitStatus:
     return ExitStatus(exit_code=code, signal=None)
 
 
-class _HeadKeepingStream(trio.abc.ReceiveStream):
-    """Passes a stream through, keeping its first bytes (where bwrap's own
-    message is when it could not start the command) and noting EOF."""
-
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self._stream = stream
-        self.head = bytearray()
-        self.finished = trio.Event()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = await self._stream.receive_some(max_bytes)
-        if not data:
-            self.finished.set()
-        elif len(self.head) < STDERR_KEPT:
-            self.head += data[: STDERR_KEPT - len(self.head)]
-        return data
-
-    async def aclose(self) -> None:
-        self.finished.set()
-        await self._stream.aclose()
-
-
 class _Monitor:
     """bwrap's outer process, started from trio's own thread (see spawn) and
     waited for through a pidfd."""
@@ -187,8 +162,12 @@ class _Monitor:
         if self.returncode is None:
             await trio.lowlevel.wait_readable(self.pidfd)
             self.returncode = self.popen.wait()
-            os.close(self.pidfd)
         return self.returncode
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -199,15 +178,14 @@ class _Monitor:
 class BwrapProcess:
     """One command: a bwrap monitor, its init, and the command under it."""
 
-    def __init__(self, driver: BwrapDriver, monitor: _Monitor, status: int, stdout: int, stderr: int) -> None:
+    def __init__(self, driver: BwrapDriver, monitor: _Monitor, status: int, pipes: CommandPipes) -> None:
         self._driver = driver
         self._monitor = monitor
         self._status = trio.lowlevel.FdStream(status)
         self._status_lock = trio.Lock()
         self._status_text = b""
         self._status_done = False
-        self.stdout = trio.lowlevel.FdStream(stdout)
-        self.stderr = _HeadKeepingStream(trio.lowlevel.FdStream(stderr))
+        self._pipes = pipes
         self._init: ProcessId | None = None
         self._init_pidfd: int | None = None
         self._command: ProcessId | None = None
@@ -273,7 +251,15 @@ class BwrapProcess:
     async def wait(self) -> ExitStatus:
         if self._result is not None:
             return self._result
+        # The monitor exits after the init, and so after everything in the
+        # command's pid namespace: until then its output must keep moving.
+        while not self._gone and self._monitor.returncode is None:
+            await self._pipes.until_readable(self._monitor.pidfd)
+            if not self._pipes.take_kill_request():
+                break
+            await self.send_signal(signal.SIGKILL)
         await self._wait_gone()
+        self._pipes.finish()
         if self._stopped:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
         if self._exit_code is not None:
@@ -286,9 +272,7 @@ class BwrapProcess:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap was killed by signal {-self._monitor.returncode}")
         else:
             # Never exec'd: all of stderr is bwrap's own message.
-            with trio.move_on_after(MESSAGE_WAIT):
-                await self.stderr.finished.wait()
-            raise _error_from_message(self.stderr.head.decode("utf-8", "replace"))
+            raise _error_from_message(self._pipes.stderr_head.decode("utf-8", "replace"))
         return self._result
 
     async def send_signal(self, signum: int) -> None:
@@ -324,9 +308,9 @@ class BwrapProcess:
                 if self._init_pidfd is not None:
                     os.close(self._init_pidfd)
                     self._init_pidfd = None
+                self._monitor.close()
                 await self._status.aclose()
-                await self.stdout.aclose()
-                await self.stderr.aclose()
+                self._pipes.close()
                 self._driver._forget(self)
 
 
@@ -446,7 +430,8 @@ class BwrapDriver(HostWorkspaceIO):
         *,
         env: Mapping[str, str],
         cwd: str,
-        stdin: int | None = None,
+        output: OutputSink,
+        stdin: int | bytes | None = None,
     ) -> BwrapProcess:
         self._check_usable()
         arguments = [*self._plan, "--chdir", cwd]
@@ -458,29 +443,29 @@ class BwrapDriver(HostWorkspaceIO):
             os.write(args_fd, b"".join(os.fsencode(arg) + b"\0" for arg in arguments))
             os.lseek(args_fd, 0, os.SEEK_SET)
             status_read, status_write = os.pipe2(os.O_CLOEXEC)
-            stdout_read, stdout_write = os.pipe2(os.O_CLOEXEC)
-            stderr_read, stderr_write = os.pipe2(os.O_CLOEXEC)
-            for fd in (status_write, stdout_write, stderr_write):
-                cleanup.callback(os.close, fd)
+            cleanup.callback(os.close, status_write)
             on_failure = cleanup.enter_context(contextlib.ExitStack())
-            for fd in (status_read, stdout_read, stderr_read):
-                on_failure.callback(os.close, fd)
+            on_failure.callback(os.close, status_read)
+            pipes = CommandPipes(output, stdin)
+            on_failure.callback(pipes.close)
+            cleanup.callback(pipes.close_child_ends)
+            stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
             try:
                 # Popen from trio's own thread, not a worker: bwrap's
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
                     [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--", *argv],
-                    stdin=subprocess.DEVNULL if stdin is None else stdin,
-                    stdout=stdout_write,
-                    stderr=stderr_write,
+                    stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
+                    stdout=stdout_fd,
+                    stderr=stderr_fd,
                     pass_fds=(args_fd, status_write),
                     env={},
                 )
             except OSError as exc:
                 raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot run {self._bwrap}: {exc}") from None
             on_failure.pop_all()
-        process = BwrapProcess(self, _Monitor(popen), status_read, stdout_read, stderr_read)
+        process = BwrapProcess(self, _Monitor(popen), status_read, pipes)
         self._processes.add(process)
         self._track()
         try:

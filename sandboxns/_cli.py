@@ -39,11 +39,11 @@ class _Forwarder:
     def __init__(self) -> None:
         self._targets = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
 
-    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
+    def feed(self, name: str, chunk: bytes) -> bool:
         target = self._targets[name]
-        while chunk := await stream.receive_some(65536):
-            target.write(chunk)
-            target.flush()
+        target.write(chunk)
+        target.flush()
+        return False
 
     def output(self, name: str) -> bytes:
         return b""
@@ -78,7 +78,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         async with open_sandbox(workspace, driver=args.driver, network=args.network) as session:
             result = await session._execute(
-                argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin_fd=stdin_fd
+                argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd
             )
     finally:
         if temporary is not None:

@@ -221,18 +221,16 @@ class _OutputCapture:
         self.limit = limit
         self.kept = 0
         self.truncated = False
-        self.overflow = trio.Event()
         self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
 
-    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
-        while chunk := await stream.receive_some(65536):
-            room = self.limit - self.kept
-            if len(chunk) > room:
-                self.truncated = True
-                self.overflow.set()
-                chunk = chunk[:room]
-            self.chunks[name].append(chunk)
-            self.kept += len(chunk)
+    def feed(self, name: str, chunk: bytes) -> bool:
+        room = self.limit - self.kept
+        if len(chunk) > room:
+            self.truncated = True
+            chunk = chunk[:room]
+        self.chunks[name].append(chunk)
+        self.kept += len(chunk)
+        return self.truncated
 
     def output(self, name: str) -> bytes:
         return b"".join(self.chunks[name])
@@ -828,7 +826,6 @@ class _Implementation:
                 cwd=guest_cwd,
                 timeout=timeout,
                 output=capture,
-                kill_when=capture.overflow,
                 cancel_grace=CANCEL_GRACE,
             )
         except SandboxError as exc:

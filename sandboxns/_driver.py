@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import trio
-
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._network import NetworkPolicy, check_network_policy
+from ._pump import OutputSink
 
 
 class OverlayUnavailable(SandboxError):
@@ -56,14 +55,14 @@ class ExitStatus:
 
 @runtime_checkable
 class SandboxProcess(Protocol):
-    """A running command. Its streams reach EOF once its whole tree is gone."""
-
-    stdout: trio.abc.ReceiveStream
-    stderr: trio.abc.ReceiveStream
+    """A running command."""
 
     async def wait(self) -> ExitStatus:
-        """Wait until the command and every descendant are gone. May be
-        called again after a cancelled wait."""
+        """Wait until the command and every descendant are gone, meanwhile
+        feeding its output to the sink given to ``spawn`` (and its input
+        data to it); output moves only while someone waits. Killing the
+        command when the sink asks is part of waiting. May be called again
+        after a cancelled wait."""
         ...
 
     async def send_signal(self, signum: int) -> None:
@@ -108,11 +107,13 @@ class SandboxDriver(Protocol):
         *,
         env: Mapping[str, str],
         cwd: str,
-        stdin: int | None = None,
+        output: OutputSink,
+        stdin: int | bytes | None = None,
     ) -> SandboxProcess:
         """Start ``argv`` inside the sandbox with exactly ``env``, in ``cwd``
-        (an absolute guest path). ``stdin`` is a host fd to hand the command
-        (None: an empty input). Raises SandboxError(SANDBOX_STOPPED) once the
+        (an absolute guest path), its stdout and stderr going to ``output``.
+        ``stdin`` is a host fd to hand the command, bytes to feed it, or
+        None (an empty input). Raises SandboxError(SANDBOX_STOPPED) once the
         driver is closed."""
         ...
 

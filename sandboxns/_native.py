@@ -26,6 +26,7 @@ from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
 from ._network import NetworkPolicy
+from ._pump import CommandPipes, OutputSink
 from ._session import MAX_COMMAND_BYTES
 
 HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
@@ -65,26 +66,40 @@ class NativeProcess:
     command's own socket: reports come in, signal requests go out, and
     closing it kills the command's tree."""
 
-    def __init__(self, reply: trio.socket.SocketType, stdout: int, stderr: int) -> None:
+    def __init__(self, reply: socket.socket, pipes: CommandPipes) -> None:
+        reply.setblocking(False)
         self._reply = reply
-        self.stdout = trio.lowlevel.FdStream(stdout)
-        self.stderr = trio.lowlevel.FdStream(stderr)
+        self._pipes = pipes
         self._status: ExitStatus | None = None
         self._setup_error: SandboxError | None = None
 
+    def _take_report(self) -> bool:
+        """Handle one report if one is there; False if none is yet."""
+        try:
+            data = self._reply.recv(_ffi.REPORT_SIZE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""  # closed under us: as good as the holder gone
+        if not data:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
+        report = _ffi.decode_report(data)
+        if report.kind == _ffi.REPORT_ERROR and self._setup_error is None:
+            self._setup_error = _error_from_report(report, "starting the command")
+        elif report.kind == _ffi.REPORT_EXITED:
+            signum = report.signal or None
+            self._status = ExitStatus(exit_code=None if signum else report.exit_code, signal=signum)
+        return True
+
     async def wait(self) -> ExitStatus:
+        # EXITED comes once the init has reaped the whole tree: the output
+        # is complete in the pipes by then.
         while self._status is None:
-            data = await self._reply.recv(_ffi.REPORT_SIZE)
-            if not data:
-                raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
-            report = _ffi.decode_report(data)
-            if report.kind == _ffi.REPORT_ERROR and self._setup_error is None:
-                self._setup_error = _error_from_report(report, "starting the command")
-            elif report.kind == _ffi.REPORT_EXITED:
-                if report.signal:
-                    self._status = ExitStatus(exit_code=None, signal=report.signal)
-                else:
-                    self._status = ExitStatus(exit_code=report.exit_code, signal=None)
+            if not self._take_report():
+                await self._pipes.until_readable(self._reply.fileno())
+                if self._pipes.take_kill_request():
+                    await self.send_signal(signal.SIGKILL)
+        self._pipes.finish()
         if self._setup_error is not None:
             raise self._setup_error
         return self._status
@@ -92,13 +107,23 @@ class NativeProcess:
     async def send_signal(self, signum: int) -> None:
         if self._status is not None or self._reply.fileno() < 0:
             return
+        # A few bytes on a socket the holder drains as they come: this
+        # never waits in practice, but may, so it is a checkpoint.
         with contextlib.suppress(OSError):
-            await self._reply.send(_ffi.encode_signal(signum))
+            while True:
+                try:
+                    self._reply.send(_ffi.encode_signal(signum))
+                    break
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self._reply)
+        await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
-        self._reply.close()
-        await self.stdout.aclose()
-        await self.stderr.aclose()
+        self._pipes.close()
+        if self._reply.fileno() >= 0:
+            trio.lowlevel.notify_closing(self._reply)
+            self._reply.close()
+        await trio.lowlevel.checkpoint()
 
 
 class NativeDriver(HostWorkspaceIO):
@@ -272,17 +297,18 @@ class NativeDriver(HostWorkspaceIO):
         *,
         env: Mapping[str, str],
         cwd: str,
-        stdin: int | None = None,
+        output: OutputSink,
+        stdin: int | bytes | None = None,
     ) -> NativeProcess:
         self._check_usable()
         try:
             request = _ffi.encode_request(cwd, argv, env)
         except ValueError as exc:
             raise SandboxError(ErrorCode.SANDBOX_LIMIT, str(exc)) from None
+        pipes = CommandPipes(output, stdin)
         host_end, holder_end = _seqpacket_pair()
-        stdout_read, stdout_write = os.pipe()
-        stderr_read, stderr_write = os.pipe()
-        passed = [holder_end.fileno(), self._devnull if stdin is None else stdin, stdout_write, stderr_write]
+        stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
+        passed = [holder_end.fileno(), self._devnull if stdin_fd is None else stdin_fd, stdout_fd, stderr_fd]
         try:
             async with self._send_lock:
                 await self._control.sendmsg(
@@ -290,17 +316,15 @@ class NativeDriver(HostWorkspaceIO):
                 )
         except BaseException as exc:
             host_end.close()
-            os.close(stdout_read)
-            os.close(stderr_read)
+            pipes.close()
             if isinstance(exc, (OSError, trio.ClosedResourceError)):
                 raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"the session's holder is gone: {exc}") from None
             raise
         finally:
             # The holder has its own copies of everything passed.
             holder_end.close()
-            os.close(stdout_write)
-            os.close(stderr_write)
-        return NativeProcess(trio.socket.from_stdlib_socket(host_end), stdout_read, stderr_read)
+            pipes.close_child_ends()
+        return NativeProcess(host_end, pipes)
 
     async def aclose(self) -> None:
         """Kill everything in the session; returns once it is all gone (also

@@ -24,6 +24,7 @@ from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, DirEntry
 from ._network import NetworkPolicy, check_network_policy
+from ._pump import OutputSink
 
 if TYPE_CHECKING:
     from ._gateway import SessionNetwork
@@ -41,7 +42,6 @@ DEFAULT_ENV: Mapping[str, str] = {
 }
 # A cancelled command gets this long after SIGTERM before SIGKILL.
 CANCEL_GRACE = 1.0
-_READ_CHUNK = 65536
 
 
 def _invalid(message: str) -> SandboxError:
@@ -139,14 +139,10 @@ class RunResult:
         return self.stderr_bytes.decode("utf-8", "replace")
 
 
-class OutputSink(Protocol):
-    """Where a running command's output goes."""
+class CollectedOutput(OutputSink, Protocol):
+    """An output sink that a :class:`RunResult` is made from."""
 
     truncated: bool
-
-    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
-        """Read ``stream`` (named "stdout" or "stderr") to EOF."""
-        ...
 
     def output(self, name: str) -> bytes:
         """What was kept of the named stream."""
@@ -155,40 +151,27 @@ class OutputSink(Protocol):
 
 @dataclass
 class _OutputCollector:
-    """Reads stdout and stderr to EOF, keeping at most ``limit`` bytes of the
-    two together and discarding the rest, so a command never blocks on a full
-    pipe however much it writes."""
+    """Keeps at most ``limit`` bytes of stdout and stderr together and
+    discards the rest, so a command never blocks on a full pipe however much
+    it writes."""
 
     limit: int
     kept: int = 0
     truncated: bool = False
     chunks: dict[str, list[bytes]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
 
-    async def drain(self, stream: trio.abc.ReceiveStream, name: str) -> None:
-        while chunk := await stream.receive_some(_READ_CHUNK):
-            room = self.limit - self.kept
-            if len(chunk) > room:
-                self.truncated = True
-                chunk = chunk[:room]
-            if chunk:
-                self.chunks[name].append(chunk)
-                self.kept += len(chunk)
+    def feed(self, name: str, chunk: bytes) -> bool:
+        room = self.limit - self.kept
+        if len(chunk) > room:
+            self.truncated = True
+            chunk = chunk[:room]
+        if chunk:
+            self.chunks[name].append(chunk)
+            self.kept += len(chunk)
+        return False
 
     def output(self, name: str) -> bytes:
         return b"".join(self.chunks[name])
-
-
-async def _feed_stdin(fd: int, data: bytes) -> None:
-    async with trio.lowlevel.FdStream(fd) as stream:
-        # A command may exit without reading its input; that is its business.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(data)
-
-
-async def _kill_when_set(scope: trio.CancelScope, event: trio.Event, process: SandboxProcess) -> None:
-    with scope:
-        await event.wait()
-        await process.send_signal(signal.SIGKILL)
 
 
 async def _terminate(process: SandboxProcess, grace: float) -> None:
@@ -335,12 +318,7 @@ class Session:
             raise _invalid(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
 
         return await self._execute(
-            argv,
-            env=env,
-            cwd=guest_cwd,
-            stdin=stdin,
-            timeout=timeout,
-            output=_OutputCollector(max_output_bytes),
+            argv, env=env, cwd=guest_cwd, stdin=stdin, timeout=timeout, output=_OutputCollector(max_output_bytes)
         )
 
     async def _execute(
@@ -350,25 +328,22 @@ class Session:
         env: Mapping[str, str],
         cwd: str,
         timeout: float,
-        output: OutputSink,
-        stdin: bytes | None = None,
-        stdin_fd: int | None = None,
-        kill_when: trio.Event | None = None,
+        output: CollectedOutput,
+        stdin: int | bytes | None = None,
         cancel_grace: float = CANCEL_GRACE,
     ) -> RunResult:
-        """Run checked arguments to completion, handing the output streams to
-        ``output``. ``stdin`` is data to feed; ``stdin_fd`` a host fd to pass
-        through instead (the CLI's own input). Setting ``kill_when`` kills
-        the command's tree (an output sink's way to say "enough"). On
-        cancellation the command gets ``cancel_grace`` seconds between SIGTERM
-        and SIGKILL."""
+        """Run checked arguments to completion, feeding the output to
+        ``output`` (which may ask for the command to be killed). ``stdin``
+        is data to feed, or a host fd to pass through (the CLI's own input).
+        On cancellation the command gets ``cancel_grace`` seconds between
+        SIGTERM and SIGKILL."""
         if self._changing_network:
             raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
         if self._admission is not None:
             self._admission.acquire()
         self._running += 1
         try:
-            return await self._supervise(argv, env, cwd, timeout, output, stdin, stdin_fd, kill_when, cancel_grace)
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, cancel_grace)
         finally:
             self._running -= 1
             if self._admission is not None:
@@ -380,69 +355,37 @@ class Session:
         env: Mapping[str, str],
         cwd: str,
         timeout: float,
-        output: OutputSink,
-        stdin: bytes | None,
-        stdin_fd: int | None,
-        kill_when: trio.Event | None,
+        output: CollectedOutput,
+        stdin: int | bytes | None,
         cancel_grace: float,
     ) -> RunResult:
-        """Spawn, feed, drain and wait; returns only once the command's whole
-        tree is gone, whatever happens (timeout, cancellation, a stop)."""
+        """Spawn and wait; returns only once the command's whole tree is
+        gone, whatever happens (timeout, cancellation, a stop)."""
         started = time.monotonic()
-        stdin_write = None
-        if stdin is not None:
-            stdin_fd, stdin_write = os.pipe()
-            try:
-                process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin_fd)
-            except BaseException:
-                os.close(stdin_write)
-                raise
-            finally:
-                os.close(stdin_fd)
-        else:
-            process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin_fd)
-
+        process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin, output=output)
         timed_out = False
         status: ExitStatus | None = None
-        failure: SandboxError | None = None
+        session_stopped = False
         try:
-            async with trio.open_nursery() as nursery:
-                if stdin_write is not None:
-                    nursery.start_soon(_feed_stdin, stdin_write, stdin)
-                    stdin_write = None
-                nursery.start_soon(output.drain, process.stdout, "stdout")
-                nursery.start_soon(output.drain, process.stderr, "stderr")
-                watcher = trio.CancelScope()
-                if kill_when is not None:
-                    nursery.start_soon(_kill_when_set, watcher, kill_when, process)
-                # Caught here, not around the nursery, so the caller gets a
-                # SandboxError rather than an ExceptionGroup. The streams
-                # still reach EOF: wait() returns only once the tree is gone.
-                try:
-                    with trio.move_on_after(timeout) as deadline:
-                        status = await process.wait()
-                    if deadline.cancelled_caught:
-                        timed_out = True
-                        await process.send_signal(signal.SIGKILL)
-                        status = await process.wait()
-                except SandboxError as exc:
-                    failure = exc
-                finally:
-                    watcher.cancel()
+            with trio.move_on_after(timeout):
+                status = await process.wait()
+            if status is None:
+                timed_out = True
+                await process.send_signal(signal.SIGKILL)
+                status = await process.wait()
+        except SandboxError as exc:
+            session_stopped = exc.code == ErrorCode.SANDBOX_STOPPED
+            raise
         finally:
-            if stdin_write is not None:
-                os.close(stdin_write)
             with trio.CancelScope(shield=True):
-                if status is None and failure is None:
+                if status is None and not session_stopped:
                     with contextlib.suppress(SandboxError):
                         await _terminate(process, cancel_grace)
                 await process.aclose()
-                if failure is not None and failure.code == ErrorCode.SANDBOX_STOPPED:
+                if session_stopped:
                     # The session died under the command; its tree is gone
                     # once the driver has finished closing.
                     await self.driver.aclose()
-        if failure is not None:
-            raise failure
         return RunResult(
             exit_code=status.exit_code,
             signal=status.signal,

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import trio
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
@@ -100,3 +101,20 @@ def descendants(pid: int) -> set[int]:
             pending.extend(children - found)
             found |= children
     return found
+
+
+class FirstLine:
+    """An output sink for tests that drive a driver directly: keeps stdout
+    and says when its first line has come. Output moves only while the
+    process is waited for."""
+
+    def __init__(self) -> None:
+        self.stdout = b""
+        self.arrived = trio.Event()
+
+    def feed(self, name: str, chunk: bytes) -> bool:
+        if name == "stdout":
+            self.stdout += chunk
+            if b"\n" in self.stdout:
+                self.arrived.set()
+        return False

@@ -14,6 +14,7 @@ import json
 import sys
 
 import trio
+from conftest import FirstLine
 
 import sandboxns
 
@@ -26,13 +27,18 @@ async def main(driver: str, state_dir: str, mode: str, argument: str) -> None:
                 handle = await backend.create(template=template.template_key)
                 await handle.session.write_file("written.txt", b"before the crash")
                 print(json.dumps(handle.capture_state()), flush=True)
+                started = FirstLine()
                 process = await handle.session.driver.spawn(
                     ["sh", "-c", f"echo running; exec sleep {argument}"],
                     env={"PATH": "/usr/bin:/bin"},
                     cwd="/workspace",
+                    output=started,
                 )
-                print((await process.stdout.receive_some(100)).decode().strip(), flush=True)
-                await trio.sleep_forever()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(process.wait)
+                    await started.arrived.wait()
+                    print(started.stdout.decode().strip(), flush=True)
+                    await trio.sleep_forever()
             handle = await backend.create(template=template.template_key, state=json.loads(argument))
         except sandboxns.SandboxError as error:
             print(error.code.value, error.message, flush=True)

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import trio
+from conftest import FirstLine
 
 from sandboxns import ErrorCode, SandboxError
 from sandboxns._files import WorkspaceFiles, open_beneath, walk_beneath
@@ -126,23 +127,27 @@ def hammer(files: WorkspaceFiles, minimum: int, most: int = 500_000) -> Counter:
 
 
 async def test_a_guest_swapping_symlinks_never_leads_the_host_outside(session, workspace, outside, resolver):
+    swapper = FirstLine()
     process = await session.driver.spawn(
         ["python3", "-c", SWAPPER, str(outside)],
         env={"PATH": "/usr/bin:/bin"},
         cwd="/workspace",
+        output=swapper,
     )
     try:
-        with trio.fail_after(10):
-            assert await process.stdout.receive_some(100) == b"ready\n"
-        # The driver's own handle on the workspace, as the session uses it.
-        files = WorkspaceFiles(os.dup(session.driver._files._root), resolver)
-        try:
-            outcomes = await trio.to_thread.run_sync(hammer, files, 10_000)
-        finally:
-            files.close()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.wait)
+            with trio.fail_after(10):
+                await swapper.arrived.wait()
+            assert swapper.stdout == b"ready\n"
+            # The driver's own handle on the workspace, as the session uses it.
+            files = WorkspaceFiles(os.dup(session.driver._files._root), resolver)
+            try:
+                outcomes = await trio.to_thread.run_sync(hammer, files, 10_000)
+            finally:
+                files.close()
+                await process.send_signal(signal.SIGKILL)
     finally:
-        await process.send_signal(signal.SIGKILL)
-        await process.wait()
         await process.aclose()
     # Both sides of the race happened, and the outside never changed.
     assert outcomes["done"] > 0 and outcomes[ErrorCode.SANDBOX_PATH_REFUSED] > 0, outcomes

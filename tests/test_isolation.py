@@ -135,6 +135,17 @@ async def test_tmp_and_shm_are_empty_at_every_command_start(session):
     assert second.stdout.split() == ["/dev/shm:", "/tmp:"]
 
 
+async def test_sysv_ipc_objects_do_not_outlive_their_command(session):
+    # /proc/sysvipc lists the reader's IPC namespace: a header line plus one
+    # line per object.
+    first = await sh(
+        session, "ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null && cat /proc/sysvipc/shm /proc/sysvipc/msg"
+    )
+    assert len(first.stdout.splitlines()) == 4, first
+    second = await sh(session, "cat /proc/sysvipc/shm /proc/sysvipc/msg")
+    assert len(second.stdout.splitlines()) == 2, second
+
+
 async def test_guest_has_its_own_pid_namespace_per_command(session):
     result = await sh(session, "echo $$; ls /proc | grep -E '^[0-9]+$' | sort -n | tr '\\n' ' '")
     shell_pid, pids = result.stdout.split("\n", 1)

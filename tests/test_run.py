@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker
+from conftest import FirstLine, host_processes_with, sleep_marker
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
@@ -183,6 +183,48 @@ async def test_concurrent_commands_in_one_session(session):
         for i in range(16):
             nursery.start_soon(one, i)
     assert sorted(results) == sorted(f"{i}\n" for i in range(16))
+
+
+# Holds whatever fds it is sent on a Unix socket in the workspace.
+KEEPER = """
+import array, os, socket, sys, time
+server = socket.socket(socket.AF_UNIX)
+server.bind("keeper.sock")
+server.listen()
+print("listening", flush=True)
+connection, _ = server.accept()
+fds = array.array("i")
+_, ancillary, _, _ = connection.recvmsg(1, socket.CMSG_SPACE(4))
+fds.frombytes(ancillary[0][2])
+time.sleep(60)
+"""
+# Sends its own stdout to the keeper, writes a line and exits.
+GIVER = """
+import socket, sys
+client = socket.socket(socket.AF_UNIX)
+client.connect("keeper.sock")
+socket.send_fds(client, [b"x"], [1])
+print("given", flush=True)
+"""
+
+
+async def test_run_returns_when_the_tree_is_gone_even_if_its_stdout_lives_on(session):
+    # A guest can hand its stdout to a sibling command that outlives it;
+    # run() returns with what the command wrote, not when the sibling ends.
+    listening = FirstLine()
+    keeper = await session.driver.spawn(
+        ["python3", "-c", KEEPER], env={"PATH": "/usr/bin:/bin"}, cwd="/workspace", output=listening
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.wait)
+            with trio.fail_after(10):
+                await listening.arrived.wait()
+                result = await session.run("python3", ["-c", GIVER])
+            await keeper.send_signal(signal.SIGKILL)
+    finally:
+        await keeper.aclose()
+    assert (result.exit_code, result.stdout) == (0, "given\n")
 
 
 def test_error_codes_are_stable_strings():
