@@ -21,6 +21,7 @@ from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
+from ._spec import SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
 from ._templates import Template
 
 __all__ = [
@@ -40,8 +41,12 @@ __all__ = [
     "SandboxDriver",
     "SandboxError",
     "SandboxProcess",
+    "SandboxSpec",
     "Session",
     "SessionHandle",
+    "SpecLimits",
+    "SpecProblem",
+    "SpecSandbox",
     "Template",
     "Tool",
     "create_sandbox_coding_tools",

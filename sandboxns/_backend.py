@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
+import math
 import os
 import re
 import secrets
@@ -28,6 +30,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Self
 
 import trio
 
@@ -39,6 +42,8 @@ from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, create_sandbox_session
 from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
+
+logger = logging.getLogger("sandboxns")
 
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
 MAX_POOL_SIZE = 1024
@@ -116,6 +121,9 @@ class SessionHandle:
         self._deleted = False
         self._lifecycle = trio.Lock()
         self._network: SessionNetwork | None = None
+        self.destroy_on_close = False
+        self._idle_watch: trio.CancelScope | None = None
+        self._closed = trio.Event()
         self.session: Session
 
     def capture_state(self) -> dict:
@@ -137,6 +145,9 @@ class SessionHandle:
     async def _close(self) -> None:
         """Kill everything in the session; keeps the lease. The caller holds
         the lifecycle lock, so concurrent stops wait for this one."""
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
+            self._idle_watch = None
         if self._driver is not None:
             self._backend._live.discard(self)
             await self._driver.aclose()
@@ -156,50 +167,98 @@ class SessionHandle:
         except SandboxError:  # the session no longer exists
             return False
 
+    @contextlib.asynccontextmanager
+    async def _closing(self) -> AsyncIterator[None]:
+        """A stop, shutdown or delete: shielded, one at a time, and once the
+        session no longer runs, :meth:`wait_closed` returns."""
+        with trio.CancelScope(shield=True):
+            async with self._lifecycle:
+                try:
+                    yield
+                finally:
+                    if not self.live:
+                        self._closed.set()
+
     async def stop(self) -> None:
         """Kill the session's commands and release it; its files stay.
         Idempotent, but SANDBOX_BUSY once another handle has taken the
         session over."""
-        with trio.CancelScope(shield=True):
-            async with self._lifecycle:
-                if self.live:
-                    await self._close()
-                    self._release()
-                elif not self._deleted and self._lease is None and self._taken_over():
-                    raise SandboxError(
-                        ErrorCode.SANDBOX_BUSY, f"session {self.session_id} now belongs to another handle"
-                    )
+        async with self._closing():
+            if self.live:
+                await self._close()
+                self._release()
+            elif not self._deleted and self._lease is None and self._taken_over():
+                raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {self.session_id} now belongs to another handle")
 
     async def shutdown(self) -> None:
         """Like :meth:`stop`, but never refuses: for ``finally`` blocks. It
         only ever affects what this handle still holds."""
-        with trio.CancelScope(shield=True):
-            async with self._lifecycle:
-                await self._close()
-                self._release()
+        async with self._closing():
+            await self._close()
+            self._release()
+
+    async def aclose(self) -> None:
+        """Close the handle: :meth:`stop` (the session's files stay and it
+        can be resumed), or :meth:`delete` for a session created with
+        ``destroy_on_close``. ``async with handle:`` does this at the end."""
+        if self.destroy_on_close:
+            await self.delete()
+        else:
+            await self.shutdown()
+
+    async def wait_closed(self) -> None:
+        """Return once this handle's session has been stopped, shut down or
+        deleted, by the caller or by its idle timeout."""
+        await self._closed.wait()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _watch_idleness(self, timeout: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Close the session once it has been idle for ``timeout`` seconds:
+        no command running, no file operation or gateway request. A command
+        running, however long, keeps it alive."""
+        session = self.session
+        with trio.CancelScope() as scope:
+            self._idle_watch = scope
+            task_status.started()
+            while True:
+                await session.wait_quiet()
+                deadline = session.last_activity + timeout
+                if trio.current_time() >= deadline and not session.running:
+                    break
+                await trio.sleep_until(deadline)
+            self._idle_watch = None
+            logger.info("session %s idle for %gs: closing it", self.session_id, timeout)
+            try:
+                await self.aclose()
+            except SandboxError as exc:  # e.g. taken over meanwhile: not this task's to report further
+                logger.warning("closing idle session %s: %s", self.session_id, exc.message)
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
         template, nor a host directory it was bound to). Idempotent;
         SANDBOX_BUSY if another handle holds the session."""
-        with trio.CancelScope(shield=True):
-            async with self._lifecycle:
-                if self._deleted:
+        async with self._closing():
+            if self._deleted:
+                return
+            await self._close()
+            if self._lease is None or not self._lease.is_current():
+                self._release()
+                if not self._dir.exists():
+                    self._deleted = True
                     return
-                await self._close()
-                if self._lease is None or not self._lease.is_current():
-                    self._release()
-                    if not self._dir.exists():
-                        self._deleted = True
-                        return
-                    self._lease = await Lease.acquire(self._dir, self._backend.state_directory)
-                try:
-                    trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
-                    os.rename(self._dir, trash)
-                    await trio.to_thread.run_sync(_remove_tree, trash)
-                finally:
-                    self._release()
-                self._deleted = True
+                self._lease = await Lease.acquire(self._dir, self._backend.state_directory)
+            try:
+                trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
+                os.rename(self._dir, trash)
+                await trio.to_thread.run_sync(_remove_tree, trash)
+            finally:
+                self._release()
+            self._deleted = True
 
 
 class _Pool:
@@ -267,22 +326,44 @@ class Backend:
         state: Mapping | None = None,
         workspace: str | os.PathLike[str] | None = None,
         network: object = "deny-all",
+        idle_timeout: float | None = None,
+        destroy_on_close: bool = False,
     ) -> SessionHandle:
         """Start a session: a new one from ``template`` (a key from
         :meth:`prewarm`), a new one over the host directory ``workspace``,
         or a stopped one again from its ``state`` (with the same template).
-        The network policy is given every time; it is never stored."""
+        The network policy is given every time; it is never stored.
+
+        After ``idle_timeout`` seconds without activity (a command starting
+        or ending, a file operation, a gateway request; a running command
+        keeps it alive however long it runs) the session is closed like
+        :meth:`SessionHandle.aclose`: stopped and resumable, or deleted with
+        ``destroy_on_close``."""
         self._check_open()
         policy = check_network_policy(network)
+        if idle_timeout is not None and (
+            isinstance(idle_timeout, bool)
+            or not isinstance(idle_timeout, (int, float))
+            or not math.isfinite(idle_timeout)
+            or idle_timeout <= 0
+        ):
+            raise _invalid(f"idle_timeout must be a positive number of seconds or None, not {idle_timeout!r}")
+        if not isinstance(destroy_on_close, bool):
+            raise _invalid(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
         if state is not None:
-            return await self._resume(state, template, workspace, policy)
-        if workspace is not None:
+            handle = await self._resume(state, template, workspace, policy)
+        elif workspace is not None:
             if template is not None:
                 raise _invalid("give either template= or workspace=, not both")
-            return await self._create_bound(workspace, policy)
-        if template is None:
+            handle = await self._create_bound(workspace, policy)
+        elif template is None:
             raise _invalid("create() needs template=, workspace= or state=")
-        return await self._create_from_template(check_key(template), policy)
+        else:
+            handle = await self._create_from_template(check_key(template), policy)
+        handle.destroy_on_close = destroy_on_close
+        if idle_timeout is not None:
+            await self._nursery.start(handle._watch_idleness, float(idle_timeout))
+        return handle
 
     async def _create_from_template(self, key: str, policy: NetworkPolicy) -> SessionHandle:
         pool = self._pools.get(key)
@@ -393,7 +474,7 @@ class Backend:
             if new:
                 await trio.to_thread.run_sync(_remove_tree, session_dir)
             raise
-        network = SessionNetwork(self._hub, self._nursery, handle.session_id)
+        network = SessionNetwork(self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch())
         try:
             gateway_socket = await network.prepare(policy)
             driver = await self._start_driver(session_dir, description, policy, lease, gateway_socket, new=new)
@@ -504,6 +585,33 @@ class Backend:
                 await pool.ready.pop().delete()
         for handle in list(self._live):
             await handle.shutdown()
+
+
+def stored_session_state(state_directory: str | os.PathLike[str], session_id: str) -> dict:
+    """The descriptor (as :meth:`SessionHandle.capture_state` gives it) of
+    session ``session_id`` stored in ``state_directory``; names its backend,
+    so a caller knows which driver to open the backend with."""
+    if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise _invalid(f"{session_id!r} is not a session id (32 hex digits)")
+    try:
+        description = json.loads((Path(state_directory) / "sessions" / session_id / "session.json").read_text())
+    except FileNotFoundError:
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} in {state_directory}") from None
+    except (OSError, ValueError) as exc:
+        raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"session {session_id} is unreadable: {exc}") from None
+    return {
+        "format": STATE_FORMAT,
+        "backend": description.get("backend"),
+        "template": description.get("template"),
+        "session": session_id,
+    }
+
+
+def default_state_directory() -> Path:
+    """Where sandboxns keeps state when nobody says otherwise:
+    ``$XDG_STATE_HOME/sandboxns``, or ``~/.local/state/sandboxns``."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "sandboxns"
 
 
 def _check_limit(value: object) -> int:

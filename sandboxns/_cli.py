@@ -13,22 +13,18 @@ from pathlib import Path
 
 import trio
 
+from ._backend import default_state_directory, open_backend, stored_session_state
 from ._errors import ErrorCode, SandboxError
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
-from ._session import DEFAULT_ENV, DEFAULT_TIMEOUT, check_command
+from ._session import DEFAULT_ENV, DEFAULT_TIMEOUT, Session, check_command
+from ._spec import SandboxSpec
 
 # Exit statuses of `sandboxns run` itself, as coreutils' timeout and env use them.
 EXIT_TIMED_OUT = 124
 EXIT_SANDBOX_ERROR = 125
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
-
-
-def state_directory() -> Path:
-    """Where sandboxns keeps state when nobody says otherwise."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "sandboxns"
 
 
 class _Forwarder:
@@ -50,7 +46,7 @@ class _Forwarder:
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
-    env = dict(DEFAULT_ENV)
+    env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
@@ -59,30 +55,24 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
-async def _run(args: argparse.Namespace) -> int:
+def _command(args: argparse.Namespace, usage: str) -> list[str]:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise SandboxError(
-            ErrorCode.SANDBOX_INVALID_ARGUMENT, "no command given (usage: sandboxns run -- CMD [ARG...])"
-        )
-    argv, env, cwd, timeout = check_command(command[0], command[1:], _parse_env(args.env), None, args.timeout)
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"no command given (usage: {usage})")
+    return command
+
+
+async def _run_forwarding(session: Session, args: argparse.Namespace, command: list[str], base_env) -> int:
+    """Run the command with our stdio, the way a shell would; returns our
+    exit status."""
+    env = dict(base_env)
+    env.update(_parse_env(args.env))
+    timeout = session.timeout if args.timeout is None else args.timeout
+    argv, env, cwd, timeout = check_command(command[0], command[1:], env, args.cwd, timeout)
     # The guest may read our input only when it is a pipe or file: a terminal
     # fd inside the sandbox would be a channel back to the user's session.
     stdin_fd = None if os.isatty(0) else 0
-    temporary = None
-    workspace = args.workspace
-    if workspace is None:
-        scratch = state_directory() / "tmp"
-        scratch.mkdir(parents=True, exist_ok=True)
-        temporary = workspace = tempfile.mkdtemp(prefix="run-", dir=scratch)
-    try:
-        async with open_sandbox(workspace, driver=args.driver, network=args.network) as session:
-            result = await session._execute(
-                argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd
-            )
-    finally:
-        if temporary is not None:
-            shutil.rmtree(temporary, ignore_errors=True)
+    result = await session._execute(argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd)
     if result.timed_out:
         print(f"sandboxns: command timed out after {timeout:g}s; its processes were killed", file=sys.stderr)
         return EXIT_TIMED_OUT
@@ -91,12 +81,104 @@ async def _run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+async def _run(args: argparse.Namespace) -> int:
+    command = _command(args, "sandboxns run -- CMD [ARG...]")
+    if args.spec is not None:
+        return await _run_spec(args, command)
+    if args.state_dir is not None:
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "--state-dir goes with --spec")
+    temporary = None
+    workspace = args.workspace
+    if workspace is None:
+        scratch = default_state_directory() / "tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
+        temporary = workspace = tempfile.mkdtemp(prefix="run-", dir=scratch)
+    try:
+        async with open_sandbox(
+            workspace, driver=args.driver or "native", network=args.network or "deny-all"
+        ) as session:
+            return await _run_forwarding(session, args, command, DEFAULT_ENV)
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _load_valid_spec(path: str) -> SandboxSpec:
+    spec = SandboxSpec.load(path)
+    problems = spec.validate()
+    if problems:
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT,
+            f"{path} is not a valid spec ('sandboxns validate {path}' lists everything): {problems[0]}",
+        )
+    return spec
+
+
+async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
+    for option in ("workspace", "network", "driver"):
+        if getattr(args, option) is not None:
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"--{option} comes from the spec; leave it out")
+    spec = _load_valid_spec(args.spec)
+    state = args.state_dir or default_state_directory()
+    async with spec.build(state_directory=state) as sandbox:
+        status = await _run_forwarding(sandbox.session, args, command, sandbox.session.environment)
+        if not sandbox.handle.destroy_on_close:
+            print(
+                f"sandboxns: session {sandbox.handle.session_id} kept (lifecycle.destroy_on_close is false); "
+                f"run more in it with: sandboxns exec --state-dir {state} --session {sandbox.handle.session_id} -- CMD",
+                file=sys.stderr,
+            )
+    return status
+
+
+async def _exec(args: argparse.Namespace) -> int:
+    command = _command(args, "sandboxns exec --state-dir DIR --session ID -- CMD [ARG...]")
+    spec = None if args.spec is None else _load_valid_spec(args.spec)
+    if spec is not None and args.network is not None:
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "--network comes from the spec; leave it out")
+    state = stored_session_state(args.state_dir, args.session)
+    async with open_backend(driver=state["backend"], state_directory=args.state_dir) as backend:
+        network = spec.network_policy() if spec is not None else args.network or "deny-all"
+        handle = await backend.create(state=state, template=state["template"], network=network)
+        try:
+            base_env = DEFAULT_ENV
+            if spec is not None:
+                limits = spec.limits
+                base_env = spec.environment()
+                handle.session.configure(
+                    timeout=limits.timeout,
+                    max_output_bytes=limits.max_output_bytes,
+                    max_file_bytes=limits.max_file_bytes,
+                )
+            return await _run_forwarding(handle.session, args, command, base_env)
+        finally:
+            await handle.shutdown()
+
+
+def _validate(args: argparse.Namespace) -> int:
+    spec = SandboxSpec.load(args.spec)
+    problems = spec.validate()
+    for problem in problems:
+        print(f"{args.spec}: {problem}")
+    if problems:
+        return 1
+    print(f"{args.spec}: valid sandbox spec {spec.id!r}")
+    return 0
+
+
 def _exit_status_for(error: SandboxError) -> int:
     if error.code is ErrorCode.SANDBOX_NOT_FOUND:
         return EXIT_NOT_FOUND
     if error.code is ErrorCode.SANDBOX_INVALID_ARGUMENT:
         return EXIT_CANNOT_EXECUTE
     return EXIT_SANDBOX_ERROR
+
+
+def _command_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, metavar="S", help=f"seconds (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable (repeatable)")
+    parser.add_argument("--cwd", metavar="DIR", help="working directory in the workspace (default /workspace)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,13 +192,32 @@ def build_parser() -> argparse.ArgumentParser:
         f"{EXIT_TIMED_OUT} on timeout, {EXIT_SANDBOX_ERROR} if the sandbox could not be set up.",
     )
     run.add_argument("--workspace", metavar="DIR", help="host directory to mount read-write at /workspace")
-    run.add_argument("--network", choices=("deny-all", "allow-all"), default="deny-all")
+    run.add_argument("--network", choices=("deny-all", "allow-all"), help="default deny-all")
+    run.add_argument("--driver", choices=sorted(DRIVERS), help="default native")
     run.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds (default %(default)s)"
+        "--spec",
+        metavar="FILE",
+        help="build the sandbox a spec file describes instead (a backend session in --state-dir, kept or "
+        "deleted afterwards as its lifecycle says)",
     )
-    run.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable (repeatable)")
-    run.add_argument("--driver", choices=sorted(DRIVERS), default="native")
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    run.add_argument("--state-dir", type=Path, metavar="DIR", help=f"with --spec (default {default_state_directory()})")
+    _command_options(run)
+    exec_ = commands.add_parser(
+        "exec",
+        help="run one command in an existing backend session",
+        description="Resume session ID of the backend in --state-dir, run CMD in it, and stop it again. The "
+        "session's lease is held for the command's duration, so this is refused (SANDBOX_BUSY) while "
+        "another process holds the session. Exit statuses as for 'run'.",
+    )
+    exec_.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    exec_.add_argument("--session", required=True, metavar="ID")
+    exec_.add_argument("--network", choices=("deny-all", "allow-all"), help="default deny-all")
+    exec_.add_argument("--spec", metavar="FILE", help="take the environment, network and limits from this spec")
+    _command_options(exec_)
+    validate = commands.add_parser(
+        "validate", help="check a sandbox spec file", description="List every problem in a sandbox spec; exit 1 if any."
+    )
+    validate.add_argument("spec", metavar="FILE", help="a .toml, .json or SANDBOX.md spec")
     commands.add_parser("doctor", help="check that this host can run sandboxes, and say what to fix")
     lease = commands.add_parser(
         "lease",
@@ -180,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.subcommand == "lease":
             return _lease(args)
+        if args.subcommand == "validate":
+            return _validate(args)
+        if args.subcommand == "exec":
+            return trio.run(_exec, args)
         if args.subcommand == "mcp":
             from ._mcp import run_mcp
 

@@ -38,7 +38,6 @@ from ._session import Session, check_command
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
 DEFAULT_EXECUTABLES: Mapping[str, str] = {"shell": "/usr/bin/sh"}
-DEFAULT_ENVIRONMENT: Mapping[str, str] = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "LANG": "C.UTF-8"}
 FORBIDDEN = ErrorCode.FORBIDDEN.value
 INSUFFICIENT = ErrorCode.SANDBOX_INSUFFICIENT.value
 EDIT_NO_MATCH = "EDIT_NO_MATCH"
@@ -478,7 +477,7 @@ async def create_sandbox_coding_tools(
         or not all(isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in executables.items())
     ):
         raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "executables must map aliases to absolute guest paths")
-    env = dict(DEFAULT_ENVIRONMENT if environment is None else environment)
+    env = dict(session.environment if environment is None else environment)
     binding = _Binding(handle, session, hooks)
     binding.check_live()
     try:

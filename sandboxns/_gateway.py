@@ -320,10 +320,13 @@ class Gateway:
     the requests that arrive on it. :meth:`update` swaps the policy; every
     later request is judged by the new one."""
 
-    def __init__(self, hub: GatewayHub, session_id: str, policy: NetworkPolicy) -> None:
+    def __init__(
+        self, hub: GatewayHub, session_id: str, policy: NetworkPolicy, on_request: Callable[[], None] = lambda: None
+    ) -> None:
         self._hub = hub
         self.session_id = session_id
         self.policy = policy
+        self._on_request = on_request
         self._directory = Path(tempfile.mkdtemp(prefix="sandboxns-net-"))
         self.socket_path = self._directory / "gateway.sock"
         self._cancel = trio.CancelScope()
@@ -428,6 +431,7 @@ class Gateway:
         the bytes already read past this request."""
         started = time.monotonic()
         method, path, origin_text, bytes_in, bytes_out = "-", "-", None, 0, 0
+        self._on_request()
         try:
             check_raw_head(head)
             connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -648,10 +652,13 @@ class SessionNetwork:
     while the policy is an allow-list, gone otherwise. Gateways run in the
     nursery of whoever owns the session (a backend, or open_sandbox)."""
 
-    def __init__(self, hub: GatewayHub, nursery: trio.Nursery, session_id: str) -> None:
+    def __init__(
+        self, hub: GatewayHub, nursery: trio.Nursery, session_id: str, on_request: Callable[[], None] = lambda: None
+    ) -> None:
         self._hub = hub
         self._nursery = nursery
         self._session_id = session_id
+        self._on_request = on_request
         self.gateway: Gateway | None = None
 
     async def prepare(self, policy: NetworkPolicy) -> Path | None:
@@ -660,7 +667,7 @@ class SessionNetwork:
         if not policy.needs_gateway:
             return None
         if self.gateway is None:
-            gateway = Gateway(self._hub, self._session_id, policy)
+            gateway = Gateway(self._hub, self._session_id, policy, self._on_request)
             await self._nursery.start(gateway.run)
             self.gateway = gateway
         else:

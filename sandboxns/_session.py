@@ -216,6 +216,55 @@ class Session:
         # Bumped by every policy change: whatever was prepared under an
         # older generation is void.
         self.network_generation = 0
+        self.environment: Mapping[str, str] = dict(DEFAULT_ENV)
+        self.timeout = DEFAULT_TIMEOUT
+        self.max_output_bytes = DEFAULT_MAX_OUTPUT_BYTES
+        self.max_file_bytes = MAX_FILE_BYTES
+        # trio.current_time() of the last command start or end, file
+        # operation or gateway request; see idle().
+        self.last_activity = trio.current_time()
+        self._quiet = trio.Event()  # set while no command runs
+        self._quiet.set()
+
+    def configure(
+        self,
+        *,
+        environment: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
+        max_file_bytes: int | None = None,
+    ) -> None:
+        """Set the session's defaults: the environment of a command run
+        without ``env``, its deadline and output cap, and the largest file
+        one read or write may move. Everything is checked before anything
+        changes."""
+        checked_env = None if environment is None else _check_env(environment)
+        checked_timeout = None if timeout is None else _check_timeout(timeout)
+        for name, value in (("max_output_bytes", max_output_bytes), ("max_file_bytes", max_file_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise _invalid(f"{name} must be a positive integer, not {value!r}")
+        if checked_env is not None:
+            self.environment = checked_env
+        if checked_timeout is not None:
+            self.timeout = checked_timeout
+        if max_output_bytes is not None:
+            self.max_output_bytes = max_output_bytes
+        if max_file_bytes is not None:
+            self.max_file_bytes = max_file_bytes
+
+    def touch(self) -> None:
+        """Note activity now (for idle timeouts)."""
+        self.last_activity = trio.current_time()
+
+    @property
+    def running(self) -> int:
+        """How many commands run in the session right now."""
+        return self._running
+
+    async def wait_quiet(self) -> None:
+        """Return once no command runs in the session."""
+        while self._running:
+            await self._quiet.wait()
 
     @property
     def network(self) -> NetworkPolicy:
@@ -247,7 +296,8 @@ class Session:
 
     async def read_file(self, path: str) -> bytes:
         """The content of a workspace file (at most 1 MiB)."""
-        return await self.driver.read_bytes(normalize_path(path), MAX_FILE_BYTES)
+        self.touch()
+        return await self.driver.read_bytes(normalize_path(path), self.max_file_bytes)
 
     async def read_text_file(self, path: str) -> str:
         """A workspace file as text. It must be valid UTF-8: anything else is
@@ -268,8 +318,11 @@ class Session:
             data = bytes(data)
         if not isinstance(data, bytes):
             raise _invalid(f"data must be bytes, not {type(data).__name__}")
-        if len(data) > MAX_FILE_BYTES:
-            raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{len(data)} bytes is over the {MAX_FILE_BYTES}-byte limit")
+        if len(data) > self.max_file_bytes:
+            raise SandboxError(
+                ErrorCode.SANDBOX_LIMIT, f"{len(data)} bytes is over the {self.max_file_bytes}-byte limit"
+            )
+        self.touch()
         await self.driver.write_bytes(guest_path, data)
 
     async def write_text_file(self, path: str, text: str) -> None:
@@ -278,12 +331,15 @@ class Session:
         await self.write_file(path, text.encode("utf-8"))
 
     async def list_dir(self, path: str = ".") -> list[DirEntry]:
+        self.touch()
         return await self.driver.list_dir(normalize_path(path))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
+        self.touch()
         await self.driver.remove(normalize_path(path), recursive=bool(recursive))
 
     async def mkdir(self, path: str, *, parents: bool = False) -> None:
+        self.touch()
         await self.driver.mkdir(normalize_path(path), parents=bool(parents))
 
     async def run(
@@ -294,20 +350,30 @@ class Session:
         stdin: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> RunResult:
         """Run one command to completion inside the sandbox.
 
         ``executable`` is a guest path or a name looked up on the guest's
-        ``PATH``. The environment is exactly ``env`` (default: PATH, HOME,
-        LANG). Past ``timeout`` seconds the command's whole tree is killed
-        and ``timed_out`` is set. Cancelling the call kills the tree before
+        ``PATH``. The environment is exactly ``env`` (default: the
+        session's, see :meth:`configure`; PATH, HOME and LANG unless
+        configured). Past ``timeout`` seconds (default 30) the command's
+        whole tree is killed and ``timed_out`` is set; output past
+        ``max_output_bytes`` (default 1 MiB) is dropped. Cancelling the call kills the tree before
         the cancellation propagates.
         """
         if self._admission is not None:
             self._admission.check()  # refusals are the common case under load: make them cheap
-        argv, env, guest_cwd, timeout = check_command(executable, args, env, cwd, timeout)
+        argv, env, guest_cwd, timeout = check_command(
+            executable,
+            args,
+            self.environment if env is None else env,
+            cwd,
+            self.timeout if timeout is None else timeout,
+        )
+        if max_output_bytes is None:
+            max_output_bytes = self.max_output_bytes
         if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
             raise _invalid(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
         if isinstance(stdin, str):
@@ -342,10 +408,16 @@ class Session:
         if self._admission is not None:
             self._admission.acquire()
         self._running += 1
+        if self._quiet.is_set():
+            self._quiet = trio.Event()
+        self.touch()
         try:
             return await self._supervise(argv, env, cwd, timeout, output, stdin, cancel_grace)
         finally:
             self._running -= 1
+            self.touch()
+            if not self._running:
+                self._quiet.set()
             if self._admission is not None:
                 self._admission.release()
 

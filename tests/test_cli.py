@@ -102,3 +102,71 @@ def test_doctor(tmp_path):
     done = sandboxns("doctor", cwd=tmp_path)
     assert done.returncode == 0, done.stdout
     assert b"user-namespaces" in done.stdout
+
+
+SPEC = """
+id = "cli-box"
+driver = "{driver}"
+[template.files]
+"greeting.txt" = "from the template"
+[env]
+vars = {{ GREETING = "hi" }}
+passthrough = ["CLI_TEST_USER"]
+[lifecycle]
+destroy_on_close = {destroy}
+"""
+
+
+def test_validate_reports_every_problem(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text(SPEC.format(driver="native", destroy="true"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"id": "x", "driver": "qemu", "limits": {"timeout": "soon"}}')
+    assert sandboxns("validate", str(good), cwd=tmp_path).returncode == 0
+    done = sandboxns("validate", str(bad), cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stdout.decode().splitlines() == [
+        f"{bad}: driver: must be one of native, bwrap, not 'qemu'",
+        f"{bad}: limits.timeout: must be a number, not a string",
+    ]
+
+
+def test_run_with_a_spec_then_exec_in_the_kept_session(driver_name, tmp_path):
+    spec = tmp_path / "box.toml"
+    spec.write_text(SPEC.format(driver=driver_name, destroy="false"))
+    state = tmp_path / "state"
+    env = {"CLI_TEST_USER": "alice"}
+    done = sandboxns(
+        "run", "--spec", str(spec), "--state-dir", str(state), "--",
+        "sh", "-c", "cat greeting.txt; echo; echo $GREETING $CLI_TEST_USER; echo more > added.txt",
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, b"from the template\nhi alice\n"), done.stderr
+    [session] = os.listdir(state / "sessions")
+    assert f"--session {session}".encode() in done.stderr
+    in_sub = (
+        "exec", "--state-dir", str(state), "--session", session, "--spec", str(spec), "--cwd", "sub", "--",
+        "sh", "-c", "cat ../added.txt; pwd; echo $GREETING",
+    )  # fmt: skip
+    no_sub = sandboxns(*in_sub, cwd=tmp_path, env=env)
+    assert no_sub.returncode == 127 and b"/workspace/sub" in no_sub.stderr
+    made = sandboxns("exec", "--state-dir", str(state), "--session", session, "--", "mkdir", "sub", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    again = sandboxns(*in_sub, cwd=tmp_path, env=env)
+    assert (again.returncode, again.stdout) == (0, b"more\n/workspace/sub\nhi\n"), again.stderr
+    missing = sandboxns("exec", "--state-dir", str(state), "--session", "0" * 32, "--", "true", cwd=tmp_path)
+    assert missing.returncode == 127 and b"no session" in missing.stderr
+
+
+def test_run_with_a_destroying_spec_leaves_nothing(tmp_path):
+    spec = tmp_path / "box.toml"
+    spec.write_text(SPEC.format(driver="native", destroy="true"))
+    state = tmp_path / "state"
+    done = sandboxns(
+        "run", "--spec", str(spec), "--state-dir", str(state), "--", "true", cwd=tmp_path, env={"CLI_TEST_USER": "a"}
+    )
+    assert done.returncode == 0 and os.listdir(state / "sessions") == []
+    conflicting = sandboxns("run", "--spec", str(spec), "--network", "allow-all", "--", "true", cwd=tmp_path)
+    assert conflicting.returncode == 126 and b"--network comes from the spec" in conflicting.stderr
+    unset = sandboxns("run", "--spec", str(spec), "--state-dir", str(state), "--", "true", cwd=tmp_path)
+    assert unset.returncode == 126 and b"CLI_TEST_USER" in unset.stderr

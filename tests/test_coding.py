@@ -289,7 +289,7 @@ async def test_commands(tools, workspace, monkeypatch):
     assert (result["exit_code"], result["outcome"], result["artifact"]) == (3, "exited", None)
     assert result["stdout"].startswith("out\n") and result["stderr"] == "err\n"
     assert sorted(result["stdout"].split()[1:]) == sorted(
-        f"{k}={v}" for k, v in {**_coding.DEFAULT_ENVIRONMENT, "PWD": "/workspace"}.items()
+        f"{k}={v}" for k, v in {**sandboxns._session.DEFAULT_ENV, "PWD": "/workspace"}.items()
     )
     assert "do-not-leak" not in json.dumps(result)
     (workspace / "sub").mkdir()

@@ -1,0 +1,560 @@
+"""Declarative sandbox specs: one file says what a sandbox is.
+
+A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
+
+    id = "py-agent"
+    driver = "native"
+    [template]
+    files = "template"              # a directory next to the spec, or a table of inline files
+    [env]
+    vars = { LANG = "C.UTF-8" }
+    passthrough = ["GIT_AUTHOR_NAME"]  # host variables copied in when the sandbox is built
+    [network]
+    egress = [{ origin = "https://api.example.com", headers = { authorization = { env = "API_TOKEN", prefix = "Bearer " } } }]
+    [limits]
+    timeout = 30
+    [lifecycle]
+    idle_timeout = 900
+    destroy_on_close = false
+
+Loading never raises for what a file says: :meth:`SandboxSpec.validate`
+lists every problem, each with the path of its field. Secrets never appear in
+a spec: header values are references to host environment variables, resolved
+when the sandbox is built and held only in memory from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, Backend, SessionHandle, default_state_directory, open_backend
+from ._errors import ErrorCode, SandboxError
+from ._network import FORBIDDEN_HEADERS, parse_origin
+from ._open import DRIVERS
+from ._session import DEFAULT_ENV, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, MAX_FILE_BYTES, Session, normalize_path
+
+SPEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*\r?$", re.DOTALL | re.MULTILINE)
+_FIELDS = ("id", "description", "driver", "template", "workspace", "env", "network", "limits", "lifecycle")
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One thing wrong with a spec: the field's path (``limits.timeout``,
+    ``network.egress[0].origin``; empty for the document itself) and what
+    is wrong with it."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    """A spec's limits: each command's default deadline (seconds) and
+    output cap, the per-call file I/O limit, and the backend's admission
+    limit."""
+
+    timeout: float
+    max_output_bytes: int
+    max_file_bytes: int
+    max_concurrent_commands: int
+
+
+_DEFAULT_LIMITS = {
+    "timeout": DEFAULT_TIMEOUT,
+    "max_output_bytes": DEFAULT_MAX_OUTPUT_BYTES,
+    "max_file_bytes": MAX_FILE_BYTES,
+    "max_concurrent_commands": DEFAULT_MAX_CONCURRENT_COMMANDS,
+}
+
+
+class _Checker:
+    """Walks a parsed document, collecting problems instead of stopping at
+    the first."""
+
+    def __init__(self) -> None:
+        self.problems: list[SpecProblem] = []
+
+    def problem(self, field: str, message: str) -> None:
+        self.problems.append(SpecProblem(field, message))
+
+    def table(self, value: object, field: str, known: tuple[str, ...]) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            self.problem(field, f"must be a table, not {_kind(value)}")
+            return {}
+        for key in value:
+            if key not in known:
+                self.problem(_join(field, str(key)), f"is not a known field (known: {', '.join(known)})")
+        return value
+
+    def string(self, value: object, field: str) -> str | None:
+        if not isinstance(value, str):
+            self.problem(field, f"must be a string, not {_kind(value)}")
+            return None
+        if "\0" in value:
+            self.problem(field, "must not contain NUL")
+            return None
+        return value
+
+    def number(self, value: object, field: str, *, integer: bool, minimum: float) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+            self.problem(field, f"must be {'an integer' if integer else 'a number'}, not {_kind(value)}")
+            return None
+        if not math.isfinite(value) or value < minimum:
+            self.problem(field, f"must be at least {minimum:g}, not {value!r}")
+            return None
+        return value
+
+    def boolean(self, value: object, field: str) -> bool | None:
+        if not isinstance(value, bool):
+            self.problem(field, f"must be true or false, not {_kind(value)}")
+            return None
+        return value
+
+
+def _kind(value: object) -> str:
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list"}
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a table"
+    return names.get(type(value), type(value).__name__)
+
+
+def _join(field: str, key: str) -> str:
+    return f"{field}.{key}" if field else key
+
+
+class SandboxSpec:
+    """A sandbox described by a document. Build one with :meth:`load` (a
+    file) or :meth:`from_dict`; check it with :meth:`validate`; start it
+    with :meth:`build`."""
+
+    def __init__(self, document: object, *, base: Path, source: str = "<dict>", load_problem: str = "") -> None:
+        self.document = document
+        self.base = base  # relative template and workspace paths start here
+        self.source = source
+        self._load_problem = load_problem
+
+    def __repr__(self) -> str:
+        spec_id = self.document.get("id") if isinstance(self.document, Mapping) else None
+        return f"SandboxSpec(id={spec_id!r}, source={self.source!r})"
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any], *, base: str | os.PathLike[str] = ".") -> SandboxSpec:
+        """A spec from an already parsed document; relative paths in it are
+        relative to ``base``."""
+        return cls(document, base=Path(base).absolute())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SandboxSpec:
+        """Read a spec: ``.toml``, ``.json``, or a Markdown file (such as
+        ``SANDBOX.md``) whose YAML front matter is the spec. Never raises
+        for what the file says (see :meth:`validate`); a file that cannot be
+        read is SANDBOX_NOT_FOUND."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"path must be a path, not {path!r}")
+        file = Path(path).absolute()
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"cannot read the spec {file}: {exc}") from None
+        document, problem = _parse(text, file.suffix.lower())
+        return cls(document, base=file.parent, source=str(file), load_problem=problem)
+
+    def validate(self) -> list[SpecProblem]:
+        """Every problem with the spec (empty when it is valid)."""
+        if self._load_problem:
+            return [SpecProblem("", self._load_problem)]
+        if not isinstance(self.document, Mapping):
+            return [SpecProblem("", f"a spec must be a table of fields, not {_kind(self.document)}")]
+        return _check(self.document, self.base)[0]
+
+    def _checked(self) -> _Resolved:
+        problems = self.validate()
+        if problems:
+            listing = "; ".join(map(str, problems))
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"invalid sandbox spec {self.source}: {listing}")
+        return _check(self.document, self.base)[1]
+
+    @property
+    def id(self) -> str:
+        return self._checked().id
+
+    @property
+    def driver(self) -> str:
+        return self._checked().driver
+
+    @property
+    def limits(self) -> SpecLimits:
+        return self._checked().limits
+
+    def environment(self, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The commands' environment: the defaults, ``env.vars``, and the
+        ``env.passthrough`` variables' values taken from ``host_env``
+        (default: this process's environment). A passthrough variable the
+        host does not have is SANDBOX_INVALID_ARGUMENT."""
+        resolved = self._checked()
+        host = os.environ if host_env is None else host_env
+        missing = [name for name in resolved.passthrough if name not in host]
+        if missing:
+            raise SandboxError(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT,
+                f"env.passthrough names host variables that are not set: {', '.join(missing)}",
+            )
+        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in resolved.passthrough}}
+
+    def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
+        """``network.egress`` as a policy for :meth:`Backend.create`, with
+        header references resolved from ``host_env`` (default: this
+        process's environment)."""
+        resolved = self._checked()
+        if isinstance(resolved.egress, str):
+            return resolved.egress
+        host = os.environ if host_env is None else host_env
+        missing = sorted({ref.env for entry in resolved.egress for ref in entry.headers.values()} - set(host))
+        if missing:
+            raise SandboxError(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT,
+                f"network.egress header references host variables that are not set: {', '.join(missing)}",
+            )
+        return {
+            "allow": [
+                {
+                    "origin": entry.origin,
+                    "headers": {name: ref.prefix + host[ref.env] for name, ref in entry.headers.items()},
+                }
+                for entry in resolved.egress
+            ]
+        }
+
+    def template_files(self) -> dict[str, bytes] | None:
+        """The template's files (None when the spec binds a workspace)."""
+        resolved = self._checked()
+        if resolved.workspace is not None:
+            return None
+        if isinstance(resolved.template, Path):
+            return _read_directory(resolved.template)
+        return {path: text.encode("utf-8") for path, text in resolved.template.items()}
+
+    def build(
+        self,
+        *,
+        state_directory: str | os.PathLike[str] | None = None,
+        host_env: Mapping[str, str] | None = None,
+        **backend_options: Any,
+    ) -> _Building:
+        """Start the sandbox: a backend over ``state_directory`` (default:
+        the user's state directory) and one session in it, configured from
+        the spec. Use ``async with spec.build() as sandbox:``, or
+        ``sandbox = await spec.build()`` and later ``await sandbox.aclose()``
+        in the same task. Nothing starts for an invalid spec."""
+        return _Building(self, state_directory, host_env, backend_options)
+
+    async def create_session(self, backend: Backend, *, host_env: Mapping[str, str] | None = None) -> SessionHandle:
+        """A session of this spec in an already open ``backend`` (whose
+        driver must be the spec's)."""
+        resolved = self._checked()
+        if backend.name != resolved.driver:
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
+            )
+        environment = self.environment(host_env)
+        network = self.network_policy(host_env)
+        lifecycle = {"idle_timeout": resolved.idle_timeout, "destroy_on_close": resolved.destroy_on_close}
+        if resolved.workspace is not None:
+            handle = await backend.create(workspace=resolved.workspace, network=network, **lifecycle)
+        else:
+            template = await backend.prewarm(template=resolved.id, files=self.template_files() or {})
+            handle = await backend.create(template=template.template_key, network=network, **lifecycle)
+        handle.session.configure(
+            environment=environment,
+            timeout=resolved.limits.timeout,
+            max_output_bytes=resolved.limits.max_output_bytes,
+            max_file_bytes=resolved.limits.max_file_bytes,
+        )
+        return handle
+
+
+@dataclass(frozen=True)
+class _HeaderReference:
+    env: str
+    prefix: str
+
+
+@dataclass(frozen=True)
+class _Egress:
+    origin: str
+    headers: dict[str, _HeaderReference]
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A valid spec's values, defaults filled in."""
+
+    id: str
+    driver: str
+    template: Path | dict[str, str]
+    workspace: Path | None
+    vars: dict[str, str]
+    passthrough: tuple[str, ...]
+    egress: str | tuple[_Egress, ...]
+    limits: SpecLimits
+    idle_timeout: float | None
+    destroy_on_close: bool
+
+
+def _parse(text: str, suffix: str) -> tuple[object, str]:
+    """The document in ``text`` and, if it could not be parsed, why."""
+    try:
+        if suffix == ".toml":
+            return tomllib.loads(text), ""
+        if suffix == ".json":
+            return json.loads(text), ""
+        if suffix in (".md", ".markdown"):
+            match = _FRONT_MATTER.match(text)
+            if match is None:
+                return None, "the file has no YAML front matter (a first line '---' and a closing '---')"
+            return yaml.safe_load(match.group(1)), ""
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        return None, f"cannot parse the spec: {exc}"
+    return None, f"unknown spec format {suffix or '(no suffix)'!r}; use .toml, .json or a SANDBOX.md file"
+
+
+def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
+    c = _Checker()
+    top = c.table(document, "", _FIELDS)
+    spec_id = c.string(top.get("id"), "id") if "id" in top else c.problem("id", "is required")
+    if spec_id is not None and not SPEC_ID.fullmatch(spec_id):
+        c.problem(
+            "id", f"must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, not {spec_id!r}"
+        )
+    if "description" in top:
+        c.string(top["description"], "description")
+    driver = top.get("driver", "native")
+    if driver not in DRIVERS:
+        c.problem("driver", f"must be one of {', '.join(DRIVERS)}, not {driver!r}")
+
+    template: Path | dict[str, str] = {}
+    workspace = None
+    if "template" in top and "workspace" in top:
+        c.problem("workspace", "give either template or workspace, not both")
+    if "template" in top:
+        files = c.table(top["template"], "template", ("files",)).get("files", {})
+        if isinstance(files, str):
+            template = (base / files).resolve()
+            if not template.is_dir():
+                c.problem("template.files", f"directory {template} does not exist")
+        elif isinstance(files, Mapping):
+            template = {}
+            for path, content in files.items():
+                field = f"template.files[{json.dumps(path)}]"
+                try:
+                    normalize_path(path)
+                except SandboxError as exc:
+                    c.problem(field, exc.message)
+                if c.string(content, field) is not None:
+                    template[path] = content
+        else:
+            c.problem("template.files", f"must be a directory path or a table of files, not {_kind(files)}")
+    if "workspace" in top and (path := c.string(top["workspace"], "workspace")) is not None:
+        workspace = (base / path).resolve()
+        if not workspace.is_dir():
+            c.problem("workspace", f"directory {workspace} does not exist")
+
+    env = c.table(top.get("env", {}), "env", ("vars", "passthrough"))
+    variables: dict[str, str] = {}
+    for name, value in c.table(env.get("vars", {}), "env.vars", tuple(env.get("vars", {}) or ())).items():
+        field = f"env.vars.{name}"
+        if not ENV_NAME.fullmatch(str(name)):
+            c.problem(field, "is not a valid environment variable name")
+        elif (text := c.string(value, field)) is not None:
+            variables[name] = text
+    passthrough = env.get("passthrough", [])
+    if not isinstance(passthrough, list):
+        c.problem("env.passthrough", f"must be a list of variable names, not {_kind(passthrough)}")
+        passthrough = []
+    for index, name in enumerate(passthrough):
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            c.problem(f"env.passthrough[{index}]", f"is not a valid environment variable name: {name!r}")
+        elif name in variables:
+            c.problem(f"env.passthrough[{index}]", f"{name} is also set in env.vars")
+
+    egress = _check_egress(c, c.table(top.get("network", {}), "network", ("egress",)).get("egress", "deny-all"))
+
+    limits_table = c.table(top.get("limits", {}), "limits", tuple(_DEFAULT_LIMITS))
+    limits = {}
+    for name, default in _DEFAULT_LIMITS.items():
+        value = limits_table.get(name, default)
+        integer = name != "timeout"
+        checked = c.number(value, f"limits.{name}", integer=integer, minimum=1 if integer else 0.001)
+        limits[name] = default if checked is None else checked
+
+    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
+    idle_timeout = None
+    if "idle_timeout" in lifecycle:
+        idle_timeout = c.number(lifecycle["idle_timeout"], "lifecycle.idle_timeout", integer=False, minimum=0.001)
+    destroy = c.boolean(lifecycle.get("destroy_on_close", False), "lifecycle.destroy_on_close") or False
+
+    resolved = _Resolved(
+        id=spec_id or "",
+        driver=driver if isinstance(driver, str) else "native",
+        template=template,
+        workspace=workspace,
+        vars=variables,
+        passthrough=tuple(name for name in passthrough if isinstance(name, str)),
+        egress=egress,
+        limits=SpecLimits(**limits),
+        idle_timeout=idle_timeout,
+        destroy_on_close=destroy,
+    )
+    return c.problems, resolved
+
+
+def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
+    if egress in ("deny-all", "allow-all"):
+        return egress
+    if not isinstance(egress, list):
+        c.problem("network.egress", f"must be 'deny-all', 'allow-all' or a list of allowed origins, not {egress!r}")
+        return "deny-all"
+    entries = []
+    seen = set()
+    for index, entry in enumerate(egress):
+        field = f"network.egress[{index}]"
+        table = c.table(entry, field, ("origin", "headers"))
+        origin = None
+        if "origin" not in table:
+            c.problem(f"{field}.origin", "is required")
+        else:
+            try:
+                origin = str(parse_origin(table["origin"], "the origin"))
+            except SandboxError as exc:
+                c.problem(f"{field}.origin", exc.message)
+            if origin in seen:
+                c.problem(f"{field}.origin", f"{origin} is listed twice")
+            seen.add(origin)
+        headers = {}
+        for name, reference in c.table(
+            table.get("headers", {}), f"{field}.headers", tuple(table.get("headers", {}) or ())
+        ).items():
+            where = f"{field}.headers.{name}"
+            if str(name).lower() in FORBIDDEN_HEADERS:
+                c.problem(where, "is a header the gateway sets itself")
+            if not isinstance(reference, Mapping):
+                c.problem(
+                    where,
+                    'must be a reference to a host variable like {env = "API_TOKEN", prefix = "Bearer "}; '
+                    "a spec never holds a credential itself",
+                )
+                continue
+            ref = c.table(reference, where, ("env", "prefix"))
+            env_name = (
+                c.string(ref.get("env"), f"{where}.env") if "env" in ref else c.problem(f"{where}.env", "is required")
+            )
+            prefix = c.string(ref.get("prefix", ""), f"{where}.prefix")
+            if env_name is not None and not ENV_NAME.fullmatch(env_name):
+                c.problem(f"{where}.env", f"is not a valid environment variable name: {env_name!r}")
+            elif env_name is not None and prefix is not None:
+                headers[str(name).lower()] = _HeaderReference(env_name, prefix)
+        if origin is not None:
+            entries.append(_Egress(origin, headers))
+    return tuple(entries)
+
+
+def _read_directory(root: Path) -> dict[str, bytes]:
+    """A template directory's regular files, by relative path."""
+    files: dict[str, bytes] = {}
+    for directory, subdirectories, names in os.walk(root):
+        for name in [*names, *subdirectories]:
+            path = Path(directory, name)
+            if path.is_symlink():
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED, f"template file {path} is a symlink; a template holds regular files"
+                )
+        for name in names:
+            path = Path(directory, name)
+            if not path.is_file():
+                raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"template file {path} is not a regular file")
+            files[str(path.relative_to(root))] = path.read_bytes()
+    return files
+
+
+class SpecSandbox:
+    """A running sandbox built from a spec: its backend, its session handle,
+    and the spec's command environment and limits already applied to
+    :attr:`session`. :meth:`aclose` stops the session (keeping its files,
+    resumable) or deletes it when the spec says ``destroy_on_close``, then
+    closes the backend."""
+
+    def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle, close: Callable) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.handle = handle
+        self._close = close
+
+    @property
+    def session(self) -> Session:
+        return self.handle.session
+
+    async def aclose(self) -> None:
+        await self._close()
+
+
+class _Building:
+    """What :meth:`SandboxSpec.build` returns: await it, or use it as an
+    async context manager."""
+
+    def __init__(self, spec: SandboxSpec, state_directory, host_env, backend_options) -> None:
+        self._spec = spec
+        self._state_directory = state_directory
+        self._host_env = host_env
+        self._backend_options = backend_options
+        self._stack = contextlib.AsyncExitStack()
+
+    async def _start(self) -> SpecSandbox:
+        spec = self._spec
+        resolved = spec._checked()
+        # Resolve host variables before anything starts.
+        spec.environment(self._host_env)
+        spec.network_policy(self._host_env)
+        async with contextlib.AsyncExitStack() as stack:
+            backend = await stack.enter_async_context(
+                open_backend(
+                    driver=resolved.driver,
+                    state_directory=self._state_directory or default_state_directory(),
+                    max_concurrent_commands=resolved.limits.max_concurrent_commands,
+                    **self._backend_options,
+                )
+            )
+            handle = await spec.create_session(backend, host_env=self._host_env)
+            stack.push_async_callback(handle.aclose)
+            self._stack = stack.pop_all()
+        return SpecSandbox(spec, backend, handle, self._finish)
+
+    async def _finish(self) -> None:
+        await self._stack.aclose()
+
+    def __await__(self):
+        return self._start().__await__()
+
+    async def __aenter__(self) -> SpecSandbox:
+        return await self._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._finish()

@@ -1,0 +1,245 @@
+"""Declarative sandbox specs: loading, validation, building."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import refused
+
+import sandboxns
+from sandboxns import ErrorCode, SandboxError, SandboxSpec
+
+TOML = """
+id = "py-agent"
+description = "an agent's box"
+driver = "{driver}"
+
+[template.files]
+"main.py" = "print('hello')\\n"
+"pkg/data.txt" = "data"
+
+[env]
+vars = {{ GREETING = "hi" }}
+passthrough = ["SPEC_TEST_USER"]
+
+[network]
+egress = [{{ origin = "https://api.example.com", headers = {{ authorization = {{ env = "SPEC_TEST_TOKEN", prefix = "Bearer " }} }} }}]
+
+[limits]
+timeout = 2
+max_output_bytes = 64
+max_file_bytes = 100
+max_concurrent_commands = 3
+
+[lifecycle]
+idle_timeout = 600
+destroy_on_close = true
+"""
+
+SAME_AS_JSON = {
+    "id": "py-agent",
+    "description": "an agent's box",
+    "driver": "native",
+    "template": {"files": {"main.py": "print('hello')\n", "pkg/data.txt": "data"}},
+    "env": {"vars": {"GREETING": "hi"}, "passthrough": ["SPEC_TEST_USER"]},
+    "network": {
+        "egress": [
+            {
+                "origin": "https://api.example.com",
+                "headers": {"authorization": {"env": "SPEC_TEST_TOKEN", "prefix": "Bearer "}},
+            }
+        ]
+    },
+    "limits": {"timeout": 2, "max_output_bytes": 64, "max_file_bytes": 100, "max_concurrent_commands": 3},
+    "lifecycle": {"idle_timeout": 600, "destroy_on_close": True},
+}
+
+SANDBOX_MD = """---
+id: py-agent
+description: an agent's box
+driver: native
+template:
+  files:
+    main.py: "print('hello')\\n"
+    pkg/data.txt: data
+env:
+  vars: {GREETING: hi}
+  passthrough: [SPEC_TEST_USER]
+network:
+  egress:
+    - origin: https://api.example.com
+      headers:
+        authorization: {env: SPEC_TEST_TOKEN, prefix: "Bearer "}
+limits: {timeout: 2, max_output_bytes: 64, max_file_bytes: 100, max_concurrent_commands: 3}
+lifecycle: {idle_timeout: 600, destroy_on_close: true}
+---
+
+# py-agent
+
+Prose about the sandbox, for people.
+"""
+
+HOST = {"SPEC_TEST_USER": "alice", "SPEC_TEST_TOKEN": "s3cret-token"}
+
+
+def write(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_toml_json_and_sandbox_md_say_the_same_thing(tmp_path):
+    specs = [
+        SandboxSpec.load(write(tmp_path, "box.toml", TOML.format(driver="native"))),
+        SandboxSpec.load(write(tmp_path, "box.json", json.dumps(SAME_AS_JSON))),
+        SandboxSpec.load(write(tmp_path, "SANDBOX.md", SANDBOX_MD)),
+    ]
+    for spec in specs:
+        assert spec.validate() == [], spec
+        assert spec.id == "py-agent" and spec.driver == "native"
+        assert spec.limits == sandboxns.SpecLimits(2, 64, 100, 3)
+        assert spec.environment(HOST) == {**sandboxns._session.DEFAULT_ENV, "GREETING": "hi", "SPEC_TEST_USER": "alice"}
+        assert spec.network_policy(HOST) == {
+            "allow": [{"origin": "https://api.example.com", "headers": {"authorization": "Bearer s3cret-token"}}]
+        }
+        assert spec.template_files() == {"main.py": b"print('hello')\n", "pkg/data.txt": b"data"}
+
+
+def test_validate_lists_every_problem_with_its_field(tmp_path):
+    bad = """
+id = "no spaces allowed"
+driver = "qemu"
+colour = "red"
+[template]
+files = 3
+[env]
+vars = { GREETING = 1, "BAD=NAME" = "x" }
+passthrough = ["OK", 7]
+[network]
+egress = [{ origin = "ftp://example.com", headers = { authorization = "Bearer literal-secret" } }, { headers = {} }]
+[limits]
+timeout = -1
+max_output_bytes = "lots"
+surprise = 1
+[lifecycle]
+destroy_on_close = "yes"
+idle_timeout = 0
+"""
+    spec = SandboxSpec.load(write(tmp_path, "bad.toml", bad))
+    problems = {problem.field: problem.message for problem in spec.validate()}
+    assert set(problems) == {
+        "colour",
+        "id",
+        "driver",
+        "template.files",
+        "env.vars.GREETING",
+        "env.vars.BAD=NAME",
+        "env.passthrough[1]",
+        "network.egress[0].origin",
+        "network.egress[0].headers.authorization",
+        "network.egress[1].origin",
+        "limits.timeout",
+        "limits.max_output_bytes",
+        "limits.surprise",
+        "lifecycle.destroy_on_close",
+        "lifecycle.idle_timeout",
+    }
+    assert "not a known field" in problems["colour"]
+    assert "never holds a credential" in problems["network.egress[0].headers.authorization"]
+    assert "literal-secret" not in json.dumps(problems)  # a would-be secret is not echoed back
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("box.toml", "id = ", "cannot parse"),
+        ("box.json", "{", "cannot parse"),
+        ("SANDBOX.md", "# no front matter\n", "front matter"),
+        ("SANDBOX.md", "---\nid: [unclosed\n---\n", "cannot parse"),
+        ("box.yaml", "id: x", "unknown spec format"),
+        ("box.json", "[1, 2]", "must be a table of fields"),
+    ],
+)
+def test_unparseable_documents_are_problems_not_exceptions(tmp_path, name, text, expected):
+    spec = SandboxSpec.load(write(tmp_path, name, text))
+    [problem] = spec.validate()
+    assert expected in problem.message
+
+
+def test_a_missing_file_is_not_found(tmp_path):
+    with pytest.raises(SandboxError) as error:
+        SandboxSpec.load(tmp_path / "nowhere.toml")
+    assert error.value.code == ErrorCode.SANDBOX_NOT_FOUND
+
+
+async def test_an_invalid_spec_starts_nothing(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "x", "limits": {"timeout": "soon"}})
+    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, spec.build(state_directory=tmp_path / "state"))
+    assert not (tmp_path / "state").exists()
+
+
+async def test_missing_host_variables_are_refused_before_anything_starts(tmp_path):
+    spec = SandboxSpec.load(write(tmp_path, "box.toml", TOML.format(driver="native")))
+    error = await refused(
+        ErrorCode.SANDBOX_INVALID_ARGUMENT,
+        spec.build(state_directory=tmp_path / "state", host_env={"SPEC_TEST_USER": "alice"}),
+    )
+    assert "SPEC_TEST_TOKEN" in error.message
+    assert not (tmp_path / "state").exists()
+
+
+async def test_a_built_sandbox_applies_the_spec(driver_name, tmp_path):
+    spec = SandboxSpec.load(write(tmp_path, "box.toml", TOML.format(driver=driver_name)))
+    async with spec.build(state_directory=tmp_path / "state", host_env=HOST) as sandbox:
+        session = sandbox.session
+        assert sandbox.backend.name == driver_name and sandbox.backend.max_concurrent_commands == 3
+        assert session.network.kind == "allow" and "s3cret" not in repr(session.network)
+        result = await session.run("sh", ["-c", "cat main.py pkg/data.txt; echo; echo $GREETING $SPEC_TEST_USER"])
+        assert result.stdout == "print('hello')\ndata\nhi alice\n"
+        assert "SPEC_TEST_TOKEN" not in (await session.run("env")).stdout  # header values never reach the guest
+        assert (await session.run("sh", ["-c", "head -c 1000 /dev/zero"])).truncated  # max_output_bytes = 64
+        assert (await session.run("sleep", ["10"])).timed_out  # timeout = 2
+        await refused(ErrorCode.SANDBOX_LIMIT, session.write_file("big", b"x" * 101))  # max_file_bytes = 100
+        session_dir = tmp_path / "state" / "sessions" / sandbox.handle.session_id
+        assert session_dir.is_dir()
+    assert not session_dir.exists()  # destroy_on_close
+
+
+async def test_awaiting_build_and_a_kept_session(tmp_path):
+    (tmp_path / "files" / "sub").mkdir(parents=True)
+    (tmp_path / "files" / "sub" / "f.txt").write_text("from a directory")
+    spec = SandboxSpec.from_dict({"id": "kept", "template": {"files": "files"}}, base=tmp_path)
+    sandbox = await spec.build(state_directory=tmp_path / "state")
+    try:
+        assert (await sandbox.session.read_text_file("sub/f.txt")) == "from a directory"
+        await sandbox.session.write_file("new.txt", b"stays")
+        state = sandbox.handle.capture_state()
+    finally:
+        await sandbox.aclose()
+    async with sandboxns.open_backend(state_directory=tmp_path / "state") as backend:
+        handle = await backend.create(state=state, template=state["template"])
+        async with handle:
+            assert await handle.session.read_text_file("new.txt") == "stays"
+
+
+async def test_a_spec_binds_a_workspace(tmp_path):
+    (tmp_path / "project").mkdir()
+    spec = SandboxSpec.from_dict({"id": "bound", "workspace": "project"}, base=tmp_path)
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        await sandbox.session.run("sh", ["-c", "echo written > out.txt"])
+    assert (tmp_path / "project" / "out.txt").read_text() == "written\n"
+
+
+async def test_template_symlinks_are_refused(tmp_path):
+    (tmp_path / "files").mkdir()
+    os.symlink("/etc/passwd", tmp_path / "files" / "link")
+    spec = SandboxSpec.from_dict({"id": "links", "template": {"files": "files"}}, base=tmp_path)
+    await refused(ErrorCode.SANDBOX_PATH_REFUSED, spec.build(state_directory=tmp_path / "state"))
+
+
+async def test_create_session_checks_the_backend_driver(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "x", "driver": "bwrap"})
+    async with sandboxns.open_backend(state_directory=tmp_path / "state") as backend:
+        await refused(ErrorCode.SANDBOX_STATE_MISMATCH, spec.create_session(backend))
