@@ -40,6 +40,28 @@ static int parse_id(const char *text, unsigned int *out)
     return 0;
 }
 
+/* MODE:GUEST:HOST, MODE "ro" or "rw"; the guest path has no ':' (the host
+ * checks that), so the host path may. */
+static int parse_bind(char *text, struct holder_config *cfg, struct sbx_report *err)
+{
+    struct extra_bind *bind = &cfg->extra_binds[cfg->nextra_binds];
+    char *guest, *host;
+
+    if (cfg->nextra_binds == MAX_EXTRA_BINDS)
+        return fail(err, "arguments", E2BIG, "more than %d --bind options", MAX_EXTRA_BINDS);
+    guest = strchr(text, ':');
+    host = guest ? strchr(guest + 1, ':') : NULL;
+    if (!host || guest - text != 2 || (strncmp(text, "ro", 2) != 0 && strncmp(text, "rw", 2) != 0) ||
+        guest[1] != '/' || host[1] != '/')
+        return fail(err, "arguments", EINVAL, "bad --bind %s (want ro|rw:/GUEST:/HOST)", text);
+    *host = '\0';
+    bind->writable = text[1] == 'w';
+    bind->guest = guest + 1;
+    bind->host = host + 1;
+    cfg->nextra_binds++;
+    return 0;
+}
+
 static int parse_args(int argc, char **argv, struct holder_config *cfg, struct sbx_report *err)
 {
     static const struct option options[] = {
@@ -47,7 +69,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
         {"share-network", no_argument, NULL, 'n'},   {"overlay-lower", required_argument, NULL, 'l'},
         {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
-        {NULL, 0, NULL, 0},
+        {"bind", required_argument, NULL, 'b'},      {NULL, 0, NULL, 0},
     };
     int opt;
 
@@ -80,6 +102,10 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             break;
         case 's':
             cfg->gateway_socket = optarg;
+            break;
+        case 'b':
+            if (parse_bind(optarg, cfg, err) < 0)
+                return -1;
             break;
         default:
             return fail(err, "arguments", EINVAL, "unknown argument");

@@ -12,6 +12,14 @@
 #define CONTROL_FD 3
 #define LEASE_FD 4
 
+/* An extra host tree bound into the guest (--bind=ro|rw:GUEST:HOST). */
+#define MAX_EXTRA_BINDS 8
+struct extra_bind {
+    const char *guest; /* absolute guest path */
+    const char *host;
+    int writable;
+};
+
 struct holder_config {
     uid_t inner_uid, outer_uid;
     gid_t inner_gid, outer_gid;
@@ -21,6 +29,8 @@ struct holder_config {
     const char *gateway_socket; /* host path of the egress gateway's socket, or NULL */
     const char *hostname;
     int share_network;
+    struct extra_bind extra_binds[MAX_EXTRA_BINDS]; /* in order: later ones may lie inside earlier ones */
+    int nextra_binds;
 };
 
 /* report.c: structured errors, in the spirit of crun's sync socket. */

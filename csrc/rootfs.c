@@ -22,12 +22,12 @@
 /* Any existing directory works as the build location: what was under it has
  * already been cloned, and the mount is private to the session. */
 #define NEW_ROOT "/tmp"
-#define MAX_BINDS 16
+#define MAX_BINDS (16 + MAX_EXTRA_BINDS)
 #define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 #define WORKSPACE_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 
 struct bind {
-    char target[64]; /* relative to the new root */
+    char target[PATH_MAX]; /* relative to the new root */
     int fd;          /* detached clone from open_tree */
     uint64_t attrs;
     int is_dir;
@@ -175,6 +175,14 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
     if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
                            : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, err) < 0)
         return -1;
+    /* Extra trees after the workspace, so one may cover a path inside it. */
+    for (int i = 0; i < cfg->nextra_binds; i++) {
+        const struct extra_bind *extra = &cfg->extra_binds[i];
+
+        if (clone_tree(plan, extra->host, extra->guest + 1,
+                       extra->writable ? WORKSPACE_ATTRS : RUNTIME_RO | MOUNT_ATTR_NOEXEC, err) < 0)
+            return -1;
+    }
     /* The egress gateway's socket: connecting to a socket needs no write
      * access to its mount, so it is bound read-only like everything else. */
     if (cfg->gateway_socket &&
@@ -218,13 +226,30 @@ static int write_file(const char *path, const char *content, struct sbx_report *
     return 0;
 }
 
+/* Create the directories leading to path (relative to the new root). Only
+ * the new root's own tmpfs is ever written: an extra bind's target lies
+ * either in it or under an earlier bind, where the host made it exist. */
+static int make_parents(const char *path, struct sbx_report *err)
+{
+    char partial[PATH_MAX];
+
+    for (const char *slash = strchr(path, '/'); slash; slash = strchr(slash + 1, '/')) {
+        snprintf(partial, sizeof partial, "%.*s", (int)(slash - path), path);
+        if (make_dir(partial, err) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 static int attach_bind(const struct bind *bind, struct sbx_report *err)
 {
+    if (make_parents(bind->target, err) < 0)
+        return -1;
     if (bind->is_dir) {
         if (make_dir(bind->target, err) < 0)
             return -1;
-    } else {
-        int fd = open(bind->target, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    } else if (access(bind->target, F_OK) < 0) {
+        int fd = open(bind->target, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
         if (fd < 0)
             return fail(err, "bind", errno, "cannot create /%s: %s", bind->target, strerror(errno));
         close(fd);

@@ -14,7 +14,7 @@ from ._coding import (
     Tool,
     create_sandbox_coding_tools,
 )
-from ._driver import ExitStatus, SandboxDriver, SandboxProcess
+from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._gateway import AuditRecord
@@ -36,6 +36,7 @@ __all__ = [
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
+    "Mount",
     "NativeDriver",
     "NetworkPolicy",
     "RunResult",

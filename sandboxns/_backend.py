@@ -27,14 +27,14 @@ import re
 import secrets
 import shutil
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Self
 
 import trio
 
-from ._driver import OverlayUnavailable
+from ._driver import Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._lease import Lease, is_locked
@@ -328,6 +328,7 @@ class Backend:
         network: object = "deny-all",
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
+        mounts: Sequence[Mount] = (),
     ) -> SessionHandle:
         """Start a session: a new one from ``template`` (a key from
         :meth:`prewarm`), a new one over the host directory ``workspace``,
@@ -338,9 +339,18 @@ class Backend:
         or ending, a file operation, a gateway request; a running command
         keeps it alive however long it runs) the session is closed like
         :meth:`SessionHandle.aclose`: stopped and resumable, or deleted with
-        ``destroy_on_close``."""
+        ``destroy_on_close``.
+
+        ``mounts`` binds extra host paths into a new session (see
+        :class:`~sandboxns.Mount`); they are stored with it and bound again
+        when it is resumed."""
         self._check_open()
         policy = check_network_policy(network)
+        extra = check_mounts(mounts)
+        for mount in extra:
+            self._refuse_state_overlap(Path(mount.host), "mount")
+        if extra and state is not None:
+            raise _invalid("mounts are given when a session is created; a resumed session keeps its own")
         if idle_timeout is not None and (
             isinstance(idle_timeout, bool)
             or not isinstance(idle_timeout, (int, float))
@@ -355,19 +365,19 @@ class Backend:
         elif workspace is not None:
             if template is not None:
                 raise _invalid("give either template= or workspace=, not both")
-            handle = await self._create_bound(workspace, policy)
+            handle = await self._create_bound(workspace, policy, extra)
         elif template is None:
             raise _invalid("create() needs template=, workspace= or state=")
         else:
-            handle = await self._create_from_template(check_key(template), policy)
+            handle = await self._create_from_template(check_key(template), policy, extra)
         handle.destroy_on_close = destroy_on_close
         if idle_timeout is not None:
             await self._nursery.start(handle._watch_idleness, float(idle_timeout))
         return handle
 
-    async def _create_from_template(self, key: str, policy: NetworkPolicy) -> SessionHandle:
+    async def _create_from_template(self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...]) -> SessionHandle:
         pool = self._pools.get(key)
-        if pool is not None and pool.ready:
+        if pool is not None and pool.ready and not mounts:
             handle = pool.ready.popleft()
             pool.wake.set()
             if policy != DENY_ALL:  # pooled sessions wait with no network at all
@@ -377,42 +387,48 @@ class Backend:
                     await handle.delete()
                     raise
             return handle
-        return await self._create_fresh(key, policy)
+        return await self._create_fresh(key, policy, mounts)
 
-    async def _create_fresh(self, key: str, policy: NetworkPolicy) -> SessionHandle:
+    async def _create_fresh(self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...] = ()) -> SessionHandle:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
-        description = self._new_description(key, layout)
+        description = self._new_description(key, layout, mounts)
         session_dir = await self._make_session_dir(description)
         if layout == "copy":
             await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), session_dir / "workspace")
         return await self._attach(session_dir, description, policy, new=True)
 
-    async def _create_bound(self, workspace: str | os.PathLike[str], policy: NetworkPolicy) -> SessionHandle:
+    async def _create_bound(
+        self, workspace: str | os.PathLike[str], policy: NetworkPolicy, mounts: tuple[Mount, ...]
+    ) -> SessionHandle:
         if not isinstance(workspace, (str, os.PathLike)):
             raise _invalid(f"workspace must be a path, not {type(workspace).__name__}")
         path = Path(workspace).resolve()
         if not path.is_dir():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
-        state = self.state_directory.resolve()
-        if path == state or state in path.parents or path in state.parents:
-            raise SandboxError(
-                ErrorCode.SANDBOX_PATH_REFUSED,
-                f"workspace {path} overlaps the state directory {state}; a guest must never reach it",
-            )
-        description = self._new_description(None, "bound")
+        self._refuse_state_overlap(path, "workspace")
+        description = self._new_description(None, "bound", mounts)
         description["workspace"] = str(path)
         session_dir = await self._make_session_dir(description)
         return await self._attach(session_dir, description, policy, new=True)
 
-    def _new_description(self, key: str | None, layout: str) -> dict:
+    def _refuse_state_overlap(self, path: Path, what: str) -> None:
+        state = self.state_directory.resolve()
+        if path == state or state in path.parents or path in state.parents:
+            raise SandboxError(
+                ErrorCode.SANDBOX_PATH_REFUSED,
+                f"{what} {path} overlaps the state directory {state}; a guest must never reach it",
+            )
+
+    def _new_description(self, key: str | None, layout: str, mounts: tuple[Mount, ...]) -> dict:
         return {
             "format": STATE_FORMAT,
             "backend": self.name,
             "template": key,
             "session": secrets.token_hex(16),
             "layout": layout,
+            "mounts": [{"host": m.host, "guest": m.guest, "writable": m.writable} for m in mounts],
         }
 
     async def _make_session_dir(self, description: dict) -> Path:
@@ -503,6 +519,7 @@ class Backend:
     ):
         layout = description["layout"]
         workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
+        mounts = check_mounts([Mount(**mount) for mount in description.get("mounts", [])])
         overlay = None
         if layout == "overlay":
             scratch = session_dir / "overlay-work"
@@ -513,7 +530,7 @@ class Backend:
             overlay = (self._templates.files_of(description["template"]), scratch)
         try:
             return await self._driver_class.start(
-                workspace, network=policy, overlay=overlay, lease=lease, gateway_socket=gateway_socket
+                workspace, network=policy, overlay=overlay, lease=lease, gateway_socket=gateway_socket, mounts=mounts
             )
         except OverlayUnavailable:
             if not new:
@@ -525,7 +542,9 @@ class Backend:
         await trio.to_thread.run_sync(_remove_tree, session_dir / "overlay-work")
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
-        return await self._driver_class.start(workspace, network=policy, lease=lease, gateway_socket=gateway_socket)
+        return await self._driver_class.start(
+            workspace, network=policy, lease=lease, gateway_socket=gateway_socket, mounts=mounts
+        )
 
     def audit_records(self, buffer: int = 1000):
         """An async context manager giving a stream of the gateway's audit

@@ -42,12 +42,11 @@ from pathlib import Path
 
 import trio
 
-from ._driver import ExitStatus, OverlayUnavailable, check_start_arguments
+from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
-from ._gateway import GUEST_SOCKET
 from ._lease import Lease, ProcessId
-from ._network import NetworkPolicy
+from ._network import GUEST_SOCKET, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
@@ -95,12 +94,19 @@ def _etc_files(uid: int, gid: int, share_network: bool) -> dict[str, str]:
 
 
 def _plan(
-    bwrap: str, workspace: Path, etc_dir: Path, uid: int, gid: int, share_network: bool, gateway_socket: Path | None
+    bwrap: str,
+    workspace: Path,
+    etc_dir: Path,
+    ids: tuple[int, int],
+    share_network: bool,
+    gateway_socket: Path | None,
+    mounts: tuple[Mount, ...],
 ) -> list[str]:
     """The per-session part of every command's bwrap arguments."""
     plan = ["--unshare-all", "--unshare-user"]
     if share_network:
         plan.append("--share-net")
+    uid, gid = ids
     plan += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid)]
     if _supports(bwrap, "--disable-userns"):
         plan.append("--disable-userns")
@@ -124,6 +130,8 @@ def _plan(
         "--perms", "1777", "--tmpfs", "/tmp",
         "--dir", "/run",
     ]  # fmt: skip
+    for mount in mounts:
+        plan += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.guest]
     if gateway_socket is not None:
         plan += ["--ro-bind", str(gateway_socket), GUEST_SOCKET]
     return plan + ["--remount-ro", "/"]
@@ -352,8 +360,10 @@ class BwrapDriver(HostWorkspaceIO):
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
         gateway_socket: Path | None = None,
+        mounts: Sequence[Mount] = (),
     ) -> BwrapDriver:
         workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
+        extra = check_mounts(mounts)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
         bwrap = find_bwrap()
@@ -366,6 +376,7 @@ class BwrapDriver(HostWorkspaceIO):
         self.workspace = workspace_path
         self._bwrap = bwrap
         self._ids = (uid, gid)
+        self._mounts = extra
         self._lease = lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
@@ -405,7 +416,9 @@ class BwrapDriver(HostWorkspaceIO):
         for name, content in files.items():
             (self._etc / name).write_text(content)
             (self._etc / name).chmod(0o644)
-        self._plan = _plan(self._bwrap, self.workspace, self._etc, uid, gid, policy.shares_host_network, gateway_socket)
+        self._plan = _plan(
+            self._bwrap, self.workspace, self._etc, self._ids, policy.shares_host_network, gateway_socket, self._mounts
+        )
         self.network = policy
 
     async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:

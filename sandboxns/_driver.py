@@ -9,14 +9,15 @@ top of it, so every driver gets them identically.
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ._errors import ErrorCode, SandboxError
-from ._files import DirEntry
-from ._network import NetworkPolicy, check_network_policy
+from ._files import WORKSPACE, DirEntry
+from ._network import GUEST_SOCKET, NetworkPolicy, check_network_policy
 from ._pump import OutputSink
 
 
@@ -42,6 +43,56 @@ def check_start_arguments(
     if not workspace_path.is_dir():
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
     return workspace_path.resolve(), policy
+
+
+MAX_MOUNTS = 8
+_MOUNT_ROOTS = ("/run/", WORKSPACE + "/")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host file or directory bound into the guest at ``guest``: a path
+    under ``/run/``, or inside ``/workspace`` (over what is there; later
+    mounts may lie inside earlier ones). Read-only (and not executable)
+    unless ``writable``."""
+
+    host: str | os.PathLike[str]
+    guest: str
+    writable: bool = False
+
+
+def check_mounts(mounts: object) -> tuple[Mount, ...]:
+    """Validate extra mounts; returns them with resolved host paths."""
+    if isinstance(mounts, (str, bytes)) or not isinstance(mounts, Sequence):
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "mounts must be a sequence of sandboxns.Mount")
+    if len(mounts) > MAX_MOUNTS:
+        raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"at most {MAX_MOUNTS} mounts, not {len(mounts)}")
+    checked = []
+    for mount in mounts:
+        if not isinstance(mount, Mount) or not isinstance(mount.writable, bool):
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"not a sandboxns.Mount: {mount!r}")
+        guest = mount.guest
+        if (
+            not isinstance(guest, str)
+            or posixpath.normpath(guest) != guest
+            or any(c in guest for c in ":\0")
+            or not guest.startswith(_MOUNT_ROOTS)
+            or guest == GUEST_SOCKET
+        ):
+            raise SandboxError(
+                ErrorCode.SANDBOX_PATH_REFUSED,
+                f"a mount's guest path must be a normal path under /run/ or inside /workspace, not {guest!r}",
+            )
+        if not isinstance(mount.host, (str, os.PathLike)) or "\0" in str(mount.host):
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"a mount's host path must be a path: {mount!r}")
+        host = Path(mount.host)
+        if not host.is_absolute() or not (host.is_dir() or host.is_file()):
+            raise SandboxError(
+                ErrorCode.SANDBOX_NOT_FOUND,
+                f"a mount's host path must be an existing absolute file or directory: {host}",
+            )
+        checked.append(Mount(str(host.resolve()), guest, mount.writable))
+    return tuple(checked)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ import trio
 
 from ._network import CREDENTIAL_HEADERS, DEFAULT_PORTS, AllowedOrigin, NetworkPolicy, Origin, canonical_host
 
-GUEST_SOCKET = "/run/sandboxns-network.sock"
 MAX_CONCURRENT_REQUESTS = 16
 MAX_BODY_BYTES = 1024 * 1024
 REQUEST_DEADLINE = 30.0

@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, OverlayUnavailable, check_start_arguments
+from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
@@ -149,6 +149,7 @@ class NativeDriver(HostWorkspaceIO):
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
         gateway_socket: Path | None = None,
+        mounts: Sequence[Mount] = (),
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(template, scratch)`` the workspace is
@@ -157,8 +158,10 @@ class NativeDriver(HostWorkspaceIO):
         ``lease``, a held session lease, is shared with the holder's
         launcher, so it stays locked until every process of the session is
         gone, even if this process dies first. ``gateway_socket``, for an
-        allow-list policy, is bound at /run/sandboxns-network.sock."""
+        allow-list policy, is bound at /run/sandboxns-network.sock.
+        ``mounts`` are extra host paths to bind (see :class:`Mount`)."""
         workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
+        extra = check_mounts(mounts)
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
@@ -173,6 +176,7 @@ class NativeDriver(HostWorkspaceIO):
                 f"--overlay-lower={Path(template).resolve()}",
                 f"--overlay-work={Path(scratch).resolve()}",
             ]
+        self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
         self._lease = lease
         self._closed = False
         self._stopped = trio.Event()

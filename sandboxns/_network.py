@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from ._errors import ErrorCode, SandboxError
 
 PolicyKind = Literal["deny-all", "allow-all", "allow"]
+GUEST_SOCKET = "/run/sandboxns-network.sock"
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 9110 token characters.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
