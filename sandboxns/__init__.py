@@ -3,7 +3,7 @@
 Everything public is re-exported here; the modules behind it are private.
 """
 
-from . import blocking
+from . import adapters, blocking
 from ._backend import Backend, SessionHandle, open_backend
 from ._bwrap import BwrapDriver
 from ._coding import (
@@ -51,6 +51,7 @@ __all__ = [
     "SpecSandbox",
     "Template",
     "Tool",
+    "adapters",
     "blocking",
     "create_sandbox_coding_tools",
     "create_sandbox_session",

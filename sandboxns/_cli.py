@@ -46,11 +46,17 @@ class _Forwarder:
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    """``--env K=V`` sets a variable; ``--env K`` copies K from our own
+    environment, so a secret need not appear in a process list."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        if not key:
+            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"--env expects KEY=VALUE or KEY, not {pair!r}")
         if not sep:
-            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"--env expects KEY=VALUE, not {pair!r}")
+            if key not in os.environ:
+                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"--env {key}: {key} is not set here")
+            value = os.environ[key]
         env[key] = value
     return env
 
@@ -176,7 +182,13 @@ def _exit_status_for(error: SandboxError) -> int:
 
 def _command_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, metavar="S", help=f"seconds (default {DEFAULT_TIMEOUT:g})")
-    parser.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable (repeatable)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K[=V]",
+        help="set a variable, or copy K from this environment (repeatable)",
+    )
     parser.add_argument("--cwd", metavar="DIR", help="working directory in the workspace (default /workspace)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 

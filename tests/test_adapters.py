@@ -1,0 +1,167 @@
+"""The structural task-sandbox adapters, with real git repositories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import refused
+
+from sandboxns import ErrorCode, SandboxError, adapters
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+TASK = "Task #7: fix the parser!"
+
+
+def git(repo, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path):
+    path = tmp_path / "repo"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    git(path, "config", "user.name", "Host User")
+    git(path, "config", "user.email", "host@example.com")
+    (path / "parser.py").write_text("def parse(): pass\n")
+    git(path, "add", "parser.py")
+    git(path, "commit", "-qm", "initial")
+    return path
+
+
+async def run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return await trio.run_process(
+        argv, capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, **(env or {})}
+    )
+
+
+def test_slugs_are_readable_deterministic_and_distinct():
+    assert adapters.slug_for(TASK) == adapters.slug_for(TASK)
+    assert adapters.slug_for(TASK).startswith("task-7-fix-the-parser-")
+    assert adapters.slug_for("a b") != adapters.slug_for("a-b")
+    with pytest.raises(SandboxError):
+        adapters.slug_for("")
+
+
+async def test_git_works_inside_a_worktree_sandbox(driver_name, repo, tmp_path):
+    sandbox = adapters.worktree_sandbox(repo, branch_prefix="agent", root=tmp_path / "trees", driver=driver_name)
+    first = await sandbox.workspace(TASK)
+    assert first == await sandbox.workspace(TASK)  # idempotent
+    assert first["cwd"] == "/workspace"
+    host_path = first["host_path"]
+    assert (tmp_path / "trees" / adapters.slug_for(TASK)).samefile(host_path)
+    branch = f"agent/{adapters.slug_for(TASK)}"
+
+    script = (
+        "echo '# fixed' >> parser.py && git status --porcelain && git diff --stat && "
+        "git add -A && git commit -qm 'fix from the sandbox' && git log --format=%s -1"
+    )
+    done = await run(sandbox.wrap(["sh", "-c", script], id=TASK))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().splitlines() == [
+        " M parser.py",
+        " parser.py | 1 +",
+        " 1 file changed, 1 insertion(+)",
+        "fix from the sandbox",
+    ]
+    # The commit is on the task's branch in the host's repository.
+    assert git(repo, "log", "--format=%s", "-1", branch).strip() == "fix from the sandbox"
+    assert git(repo, "log", "--format=%s", "-1", "main").strip() == "initial"
+
+    # config and hooks are read-only inside: the host runs them later.
+    config_before = (repo / ".git" / "config").read_text()
+    for attempt in (
+        "git config core.hooksPath /workspace",
+        "echo '[core] fsmonitor = evil' >> /run/sandboxns-git/config",
+        "echo evil > /run/sandboxns-git/hooks/post-checkout",
+        "chmod +x /run/sandboxns-git/hooks",
+        "mkdir -p /run/sandboxns-git/modules/sub/hooks",
+    ):
+        refused_write = await run(sandbox.wrap(["sh", "-c", attempt], id=TASK))
+        assert refused_write.returncode != 0, attempt
+    assert (repo / ".git" / "config").read_text() == config_before
+    assert "post-checkout" not in os.listdir(repo / ".git" / "hooks")
+
+
+async def test_wrap_passes_names_not_values_and_maps_host_paths(driver_name, repo, tmp_path):
+    sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees", driver=driver_name)
+    await refused(ErrorCode.SANDBOX_NOT_FOUND, trio.to_thread.run_sync(lambda: sandbox.wrap(["true"], id="new")))
+    workspace = await sandbox.workspace("task")
+    (tmp_path / "trees" / adapters.slug_for("task") / "sub").mkdir()
+    argv = sandbox.wrap(
+        ["sh", "-c", "pwd; echo $API_KEY"],
+        cwd=os.path.join(workspace["host_path"], "sub"),
+        env={"API_KEY": "value-not-in-argv"},
+        id="task",
+    )
+    assert "value-not-in-argv" not in " ".join(argv) and argv[0] == sys.executable
+    done = await run(argv, env={"API_KEY": "value-not-in-argv"})
+    assert done.stdout.decode() == "/workspace/sub\nvalue-not-in-argv\n", done.stderr
+    with pytest.raises(SandboxError) as error:
+        sandbox.wrap(["true"], cwd=str(tmp_path), id="task")
+    assert error.value.code == ErrorCode.SANDBOX_PATH_REFUSED
+
+
+async def test_cleanup_keeps_the_branch_and_refuses_a_dirty_worktree(repo, tmp_path):
+    sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees")
+    assert await sandbox.cleanup("never-made") == {"removed": False, "dirty": False, "detail": "nothing to clean up"}
+    workspace = await sandbox.workspace(TASK)
+    done = await run(sandbox.wrap(["sh", "-c", "echo change >> parser.py"], id=TASK))
+    assert done.returncode == 0, done.stderr
+    dirty = await sandbox.cleanup(TASK)
+    assert (dirty["removed"], dirty["dirty"]) == (False, True) and "parser.py" in dirty["detail"]
+    assert os.path.isdir(workspace["host_path"])
+    forced = await sandbox.cleanup(TASK, force=True)
+    assert (forced["removed"], forced["dirty"]) == (True, True)
+    assert not os.path.exists(workspace["host_path"])
+    assert sandbox.branch_for(TASK) in git(repo, "branch", "--list", sandbox.branch_for(TASK))
+    assert os.listdir(sandbox.state_directory / "sessions") == []
+    again = await sandbox.cleanup(TASK)
+    assert again["removed"] is False and again["detail"] == "nothing to clean up"
+    # The same task id gets its branch back, with its commits.
+    assert os.path.isdir((await sandbox.workspace(TASK))["host_path"])
+
+
+async def test_stop_kills_a_running_command(repo, tmp_path):
+    sandbox = adapters.namespace_sandbox(tmp_path / "tasks")
+    await sandbox.workspace("long")
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(
+            sandbox.wrap(["sh", "-c", "echo started; exec sleep 1000"], id="long"), stdout=subprocess.PIPE
+        )
+        nursery.cancel_scope.deadline = trio.current_time() + 20
+        assert await process.stdout.receive_some(100) == b"started\n"
+        await sandbox.stop("long")
+        assert await process.wait() == 125
+    assert not nursery.cancel_scope.cancelled_caught
+
+
+async def test_namespace_sandbox_workspaces_and_cleanup(tmp_path):
+    sandbox = adapters.namespace_sandbox(tmp_path / "tasks")
+    workspace = await sandbox.workspace("t1")
+    done = await run(sandbox.wrap(["sh", "-c", "echo result > out.txt"], id="t1"))
+    assert done.returncode == 0, done.stderr
+    assert (Path(workspace["host_path"]) / "out.txt").read_text() == "result\n"
+    assert (await sandbox.cleanup("t1"))["removed"] is True
+    assert not os.path.exists(workspace["host_path"])
+    assert (await sandbox.cleanup("t1"))["removed"] is False
+
+
+def test_endpoints_exist_only_where_the_network_reaches_the_host(tmp_path):
+    with pytest.raises(SandboxError) as error:
+        adapters.namespace_sandbox(tmp_path / "a").endpoint_for(8080)
+    assert error.value.code == ErrorCode.SANDBOX_POLICY_REFUSED
+    assert adapters.namespace_sandbox(tmp_path / "b", network="allow-all").endpoint_for(8080) == "127.0.0.1:8080"
+
+
+def test_worktrees_live_outside_the_repository(repo):
+    with pytest.raises(SandboxError) as error:
+        adapters.worktree_sandbox(repo, root=repo / "trees")
+    assert error.value.code == ErrorCode.SANDBOX_PATH_REFUSED
