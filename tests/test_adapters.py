@@ -14,7 +14,7 @@ from conftest import refused
 
 from sandboxns import ErrorCode, SandboxError, adapters
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [pytest.mark.smoke, pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")]
 
 TASK = "Task #7: fix the parser!"
 

@@ -12,6 +12,8 @@ from conftest import descendants
 
 from sandboxns import ErrorCode, SandboxError, SandboxSpec, blocking
 
+pytestmark = pytest.mark.smoke
+
 
 def test_a_backend_used_from_several_threads(driver_name, tmp_path):
     with blocking.open_backend(driver=driver_name, state_directory=tmp_path / "state") as backend:

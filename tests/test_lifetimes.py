@@ -13,6 +13,8 @@ from conftest import refused
 
 from sandboxns import ErrorCode
 
+pytestmark = pytest.mark.smoke
+
 IDLE = 60.0
 
 

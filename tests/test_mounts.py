@@ -7,6 +7,8 @@ from conftest import refused
 
 from sandboxns import ErrorCode, Mount
 
+pytestmark = pytest.mark.smoke
+
 
 @pytest.fixture
 def shared(tmp_path):

@@ -11,6 +11,8 @@ from conftest import refused
 import sandboxns
 from sandboxns import ErrorCode, SandboxError, SandboxSpec
 
+pytestmark = pytest.mark.smoke
+
 TOML = """
 id = "py-agent"
 description = "an agent's box"
