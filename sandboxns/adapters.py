@@ -110,7 +110,9 @@ class _TaskSandboxes:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"task {id!r} has no workspace yet; call workspace() first")
         if isinstance(cmd, (str, bytes)) or not cmd or not all(isinstance(arg, str) for arg in cmd):
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "cmd must be a non-empty list of strings")
-        argv = [sys.executable, "-m", "sandboxns", "exec", "--state-dir", str(self.state_directory)]
+        # -P: the sandboxns on sys.path, not a directory of that name where
+        # the orchestrator happens to run it.
+        argv = [sys.executable, "-P", "-m", "sandboxns", "exec", "--state-dir", str(self.state_directory)]
         argv += ["--session", session_id, "--cwd", self._guest_cwd(id, cwd)]
         for name in env or {}:
             if not isinstance(name, str) or not name or "=" in name:
