@@ -11,6 +11,7 @@ import ssl
 import pytest
 import trio
 import trustme
+from conftest import FirstLine
 from upstream import Upstream, start_upstream
 
 import sandboxns
@@ -269,6 +270,29 @@ async def test_audit_records(driver_name, tmp_path, upstreams):
     assert (first.origin, first.method, first.path, first.status, first.bytes_in) == (a.origin, "POST", "/in", 200, 5)
     assert first.bytes_out > 0 and first.session_id == handle.session_id
     assert (second.origin, second.status) == (None, 403) and "not an allowed origin" in second.reason
+
+
+async def test_a_gateway_request_counts_as_session_activity(driver_name, tmp_path, upstreams):
+    a, b, a_tls = upstreams
+    async with sandboxns.open_backend(driver=driver_name, state_directory=tmp_path / "state") as backend:
+        template = await backend.prewarm(template="t", files={})
+        async with await backend.create(template=template.template_key, network=policy_for(a)) as handle:
+            before = handle.session.last_activity
+            # Straight through the driver, which notes no activity itself:
+            # only the gateway can move the session's clock.
+            process = await handle.session.driver.spawn(
+                ["python3", "-c", CLIENT],
+                env={"PATH": "/usr/bin:/bin"},
+                cwd="/workspace",
+                output=FirstLine(),
+                stdin=http("GET", "/", a.host),
+            )
+            try:
+                assert (await process.wait()).exit_code == 0
+            finally:
+                await process.aclose()
+            assert handle.session.last_activity > before
+            assert len(a.requests) == 1
 
 
 async def test_policy_changes(driver_name, workspace, upstreams):
