@@ -281,9 +281,10 @@ static void __attribute__((noreturn)) run_init(int request_fd)
         goto fail;
     }
     command_pid = pid;
+    /* stdout and stderr stay open here until after EXITED is sent: the host
+     * then wakes once, for the report, and reads what the tree left in the
+     * pipes, rather than first for their end-of-file and then again. */
     close(plan.fds[SBX_FD_STDIN]);
-    close(plan.fds[SBX_FD_STDOUT]);
-    close(plan.fds[SBX_FD_STDERR]);
 
     /* Reap everything; once the command is gone, kill the rest. As pid 1,
      * kill(-1) reaches every other process in this namespace. */
