@@ -46,6 +46,7 @@ from ._templates import Template, TemplateStore, check_key, check_template_files
 logger = logging.getLogger("sandboxns")
 
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
+MAX_CONCURRENT_COMMANDS_LIMIT = 4096
 MAX_POOL_SIZE = 1024
 STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
@@ -235,8 +236,8 @@ class SessionHandle:
             logger.info("session %s idle for %gs: closing it", self.session_id, timeout)
             try:
                 await self.aclose()
-            except SandboxError as exc:  # e.g. taken over meanwhile: not this task's to report further
-                logger.warning("closing idle session %s: %s", self.session_id, exc.message)
+            except Exception:  # runs in the backend's nursery, which must not die of it
+                logger.exception("closing idle session %s failed", self.session_id)
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
@@ -371,6 +372,7 @@ class Backend:
         else:
             handle = await self._create_from_template(check_key(template), policy, extra)
         handle.destroy_on_close = destroy_on_close
+        handle.session.touch()  # a pooled session may have waited a long time
         if idle_timeout is not None:
             await self._nursery.start(handle._watch_idleness, float(idle_timeout))
         return handle
@@ -634,8 +636,10 @@ def default_state_directory() -> Path:
 
 
 def _check_limit(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _invalid(f"max_concurrent_commands must be a positive integer, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENT_COMMANDS_LIMIT:
+        raise _invalid(
+            f"max_concurrent_commands must be an integer from 1 to {MAX_CONCURRENT_COMMANDS_LIMIT}, not {value!r}"
+        )
     return value
 
 

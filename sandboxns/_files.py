@@ -239,7 +239,9 @@ class WorkspaceFiles:
                     ErrorCode.SANDBOX_LIMIT, f"{guest_path} has {info.st_size} bytes; the limit is {max_bytes}"
                 )
             data = bytearray()
-            while chunk := os.read(fd, max_bytes + 1 - len(data)):
+            # Read in chunks of what the file holds, not of the limit: a
+            # large limit must not mean a large allocation per read.
+            while chunk := os.read(fd, min(max_bytes + 1 - len(data), max(info.st_size + 1, 1), 1 << 20)):
                 data += chunk
                 if len(data) > max_bytes:  # it grew while we read
                     raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is larger than {max_bytes} bytes")

@@ -181,6 +181,7 @@ class NativeDriver(HostWorkspaceIO):
         self._closed = False
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
+        self._holder_lock = trio.Lock()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await self._launch(policy, gateway_socket)
@@ -246,14 +247,17 @@ class NativeDriver(HostWorkspaceIO):
         if (policy.shares_host_network, gateway_socket) == (self.network.shares_host_network, self._gateway_socket):
             self.network = policy
             return
-        await self._stop_holder()
-        try:
-            await self._launch(policy, gateway_socket)
-        except BaseException:
-            self._closed = True
-            os.close(self._devnull)
-            self._stopped.set()
-            raise
+        # aclose() waits for this: both would wait on the holder's pidfd.
+        async with self._holder_lock:
+            self._check_usable()
+            await self._stop_holder()
+            try:
+                await self._launch(policy, gateway_socket)
+            except BaseException:
+                self._closed = True
+                os.close(self._devnull)
+                self._stopped.set()
+                raise
 
     def _reap_holder_now(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -337,8 +341,12 @@ class NativeDriver(HostWorkspaceIO):
             with trio.CancelScope(shield=True):
                 await self._stopped.wait()
             return
-        self._closed = True
         with trio.CancelScope(shield=True):
-            await self._stop_holder()
-            os.close(self._devnull)
-            self._stopped.set()
+            async with self._holder_lock:
+                if self._closed:  # a failed network change closed it meanwhile
+                    await self._stopped.wait()
+                    return
+                self._closed = True
+                await self._stop_holder()
+                os.close(self._devnull)
+                self._stopped.set()

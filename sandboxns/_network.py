@@ -128,6 +128,16 @@ class NetworkPolicy:
 DENY_ALL = NetworkPolicy("deny-all")
 
 
+def header_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a header a policy injects, or None if it can."""
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        return f"{name!r} is not a valid header name"
+    lower = name.lower()
+    if lower in FORBIDDEN_HEADERS or lower.startswith("proxy-"):
+        return f"{name!r} frames or routes the request and cannot be injected"
+    return None
+
+
 def _check_headers(headers: object, where: str) -> tuple[tuple[str, str], ...]:
     if headers is None:
         return ()
@@ -135,11 +145,10 @@ def _check_headers(headers: object, where: str) -> tuple[tuple[str, str], ...]:
         raise _invalid(f"{where}.headers must map header names to values")
     checked: dict[str, str] = {}
     for name, value in headers.items():
-        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
-            raise _invalid(f"{where}.headers: {name!r} is not a valid header name")
+        problem = header_name_problem(name)
+        if problem is not None:
+            raise _invalid(f"{where}.headers: {problem}")
         lower = name.lower()
-        if lower in FORBIDDEN_HEADERS or lower.startswith("proxy-"):
-            raise _invalid(f"{where}.headers: {name!r} frames or routes the request and cannot be injected")
         if lower in checked:
             raise _invalid(f"{where}.headers: {name!r} is given twice")
         # The value is a credential: say what is wrong with it, never what it is.

@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
-MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API
+MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API, unless configured
+# The most configure() allows: output and file data are held in memory.
+MAX_OUTPUT_BYTES_LIMIT = 1024**3
+MAX_FILE_BYTES_LIMIT = 256 * 1024**2
 # A command's cwd, arguments and environment together (as NUL-terminated
 # strings); the native holder's request size, and far below ARG_MAX.
 MAX_COMMAND_BYTES = 128 * 1024
@@ -240,9 +243,12 @@ class Session:
         changes."""
         checked_env = None if environment is None else _check_env(environment)
         checked_timeout = None if timeout is None else _check_timeout(timeout)
-        for name, value in (("max_output_bytes", max_output_bytes), ("max_file_bytes", max_file_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise _invalid(f"{name} must be a positive integer, not {value!r}")
+        for name, value, most in (
+            ("max_output_bytes", max_output_bytes, MAX_OUTPUT_BYTES_LIMIT),
+            ("max_file_bytes", max_file_bytes, MAX_FILE_BYTES_LIMIT),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+                raise _invalid(f"{name} must be an integer from 1 to {most}, not {value!r}")
         if checked_env is not None:
             self.environment = checked_env
         if checked_timeout is not None:
@@ -280,6 +286,7 @@ class Session:
                 ErrorCode.SANDBOX_BUSY, "the network policy can only change while no command runs in the session"
             )
         self._changing_network = True
+        self.touch()
         try:
             if self._network is not None:
                 await self._network.apply(self.driver, checked)

@@ -31,18 +31,35 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import trio
 import yaml
 
-from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, Backend, SessionHandle, default_state_directory, open_backend
+from ._backend import (
+    DEFAULT_MAX_CONCURRENT_COMMANDS,
+    MAX_CONCURRENT_COMMANDS_LIMIT,
+    Backend,
+    SessionHandle,
+    default_state_directory,
+    open_backend,
+)
 from ._errors import ErrorCode, SandboxError
-from ._network import FORBIDDEN_HEADERS, parse_origin
+from ._network import header_name_problem, parse_origin
 from ._open import DRIVERS
-from ._session import DEFAULT_ENV, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, MAX_FILE_BYTES, Session, normalize_path
+from ._session import (
+    DEFAULT_ENV,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    DEFAULT_TIMEOUT,
+    MAX_FILE_BYTES,
+    MAX_FILE_BYTES_LIMIT,
+    MAX_OUTPUT_BYTES_LIMIT,
+    Session,
+)
+from ._templates import check_template_files
 
 SPEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -75,6 +92,12 @@ class SpecLimits:
     max_concurrent_commands: int
 
 
+_MAX_LIMITS = {
+    "timeout": math.inf,
+    "max_output_bytes": MAX_OUTPUT_BYTES_LIMIT,
+    "max_file_bytes": MAX_FILE_BYTES_LIMIT,
+    "max_concurrent_commands": MAX_CONCURRENT_COMMANDS_LIMIT,
+}
 _DEFAULT_LIMITS = {
     "timeout": DEFAULT_TIMEOUT,
     "max_output_bytes": DEFAULT_MAX_OUTPUT_BYTES,
@@ -93,14 +116,21 @@ class _Checker:
     def problem(self, field: str, message: str) -> None:
         self.problems.append(SpecProblem(field, message))
 
-    def table(self, value: object, field: str, known: tuple[str, ...]) -> Mapping[str, Any]:
+    def table(self, value: object, field: str, known: tuple[str, ...] | None) -> Mapping[str, Any]:
+        """A table with the ``known`` fields (or, for None, any string
+        keys); returns only its entries with string keys."""
         if not isinstance(value, Mapping):
             self.problem(field, f"must be a table, not {_kind(value)}")
             return {}
+        checked = {}
         for key in value:
-            if key not in known:
-                self.problem(_join(field, str(key)), f"is not a known field (known: {', '.join(known)})")
-        return value
+            if not isinstance(key, str):
+                self.problem(field, f"has a key that is not a string: {_short(key)}")
+            elif known is not None and key not in known:
+                self.problem(_join(field, key), f"is not a known field (known: {', '.join(known)})")
+            else:
+                checked[key] = value[key]
+        return checked
 
     def string(self, value: object, field: str) -> str | None:
         if not isinstance(value, str):
@@ -111,12 +141,16 @@ class _Checker:
             return None
         return value
 
-    def number(self, value: object, field: str, *, integer: bool, minimum: float) -> float | None:
+    def number(self, value: object, field: str, *, integer: bool, minimum: float, maximum: float) -> float | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
             self.problem(field, f"must be {'an integer' if integer else 'a number'}, not {_kind(value)}")
             return None
-        if not math.isfinite(value) or value < minimum:
-            self.problem(field, f"must be at least {minimum:g}, not {value!r}")
+        try:
+            in_range = math.isfinite(value) and minimum <= value <= maximum
+        except OverflowError:  # an integer too large for a float
+            in_range = False
+        if not in_range:
+            self.problem(field, f"must be from {minimum:g} to {maximum:g}, not {_short(value)}")
             return None
         return value
 
@@ -125,6 +159,13 @@ class _Checker:
             self.problem(field, f"must be true or false, not {_kind(value)}")
             return None
         return value
+
+
+def _short(value: object) -> str:
+    """A value as a message may quote it: a document can make its repr
+    enormous (YAML aliases), so only its start."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kind(value: object) -> str:
@@ -283,12 +324,16 @@ class SandboxSpec:
         else:
             template = await backend.prewarm(template=resolved.id, files=self.template_files() or {})
             handle = await backend.create(template=template.template_key, network=network, **lifecycle)
-        handle.session.configure(
-            environment=environment,
-            timeout=resolved.limits.timeout,
-            max_output_bytes=resolved.limits.max_output_bytes,
-            max_file_bytes=resolved.limits.max_file_bytes,
-        )
+        try:
+            handle.session.configure(
+                environment=environment,
+                timeout=resolved.limits.timeout,
+                max_output_bytes=resolved.limits.max_output_bytes,
+                max_file_bytes=resolved.limits.max_file_bytes,
+            )
+        except BaseException:
+            await handle.delete()  # nobody has seen it yet
+            raise
         return handle
 
 
@@ -332,8 +377,11 @@ def _parse(text: str, suffix: str) -> tuple[object, str]:
             if match is None:
                 return None, "the file has no YAML front matter (a first line '---' and a closing '---')"
             return yaml.safe_load(match.group(1)), ""
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
-        return None, f"cannot parse the spec: {exc}"
+    except (ValueError, yaml.YAMLError) as exc:  # TOML's and JSON's errors are ValueErrors
+        return None, f"cannot parse the spec: {_short(str(exc))[1:-1]}"
+    except (TypeError, KeyError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors fail this way on tags like "!!bool maybe".
+        return None, f"cannot parse the spec: {type(exc).__name__}: {_short(str(exc))[1:-1]}"
     return None, f"unknown spec format {suffix or '(no suffix)'!r}; use .toml, .json or a SANDBOX.md file"
 
 
@@ -348,8 +396,9 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     if "description" in top:
         c.string(top["description"], "description")
     driver = top.get("driver", "native")
-    if driver not in DRIVERS:
-        c.problem("driver", f"must be one of {', '.join(DRIVERS)}, not {driver!r}")
+    if not isinstance(driver, str) or driver not in DRIVERS:
+        c.problem("driver", f"must be one of {', '.join(DRIVERS)}, not {_short(driver)}")
+        driver = "native"
 
     template: Path | dict[str, str] = {}
     workspace = None
@@ -358,19 +407,19 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     if "template" in top:
         files = c.table(top["template"], "template", ("files",)).get("files", {})
         if isinstance(files, str):
-            template = (base / files).resolve()
-            if not template.is_dir():
-                c.problem("template.files", f"directory {template} does not exist")
+            if c.string(files, "template.files") is not None:
+                template = (base / files).resolve()
+                if not template.is_dir():
+                    c.problem("template.files", f"directory {template} does not exist")
         elif isinstance(files, Mapping):
             template = {}
-            for path, content in files.items():
-                field = f"template.files[{json.dumps(path)}]"
-                try:
-                    normalize_path(path)
-                except SandboxError as exc:
-                    c.problem(field, exc.message)
-                if c.string(content, field) is not None:
+            for path, content in c.table(files, "template.files", None).items():
+                if c.string(content, f"template.files[{json.dumps(path)}]") is not None:
                     template[path] = content
+            try:  # the same rules as Backend.prewarm: inside the workspace, no clashes
+                check_template_files("spec", dict.fromkeys(template, b""))
+            except SandboxError as exc:
+                c.problem("template.files", exc.message)
         else:
             c.problem("template.files", f"must be a directory path or a table of files, not {_kind(files)}")
     if "workspace" in top and (path := c.string(top["workspace"], "workspace")) is not None:
@@ -380,9 +429,9 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
 
     env = c.table(top.get("env", {}), "env", ("vars", "passthrough"))
     variables: dict[str, str] = {}
-    for name, value in c.table(env.get("vars", {}), "env.vars", tuple(env.get("vars", {}) or ())).items():
+    for name, value in c.table(env.get("vars", {}), "env.vars", None).items():
         field = f"env.vars.{name}"
-        if not ENV_NAME.fullmatch(str(name)):
+        if not ENV_NAME.fullmatch(name):
             c.problem(field, "is not a valid environment variable name")
         elif (text := c.string(value, field)) is not None:
             variables[name] = text
@@ -392,7 +441,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         passthrough = []
     for index, name in enumerate(passthrough):
         if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
-            c.problem(f"env.passthrough[{index}]", f"is not a valid environment variable name: {name!r}")
+            c.problem(f"env.passthrough[{index}]", f"is not a valid environment variable name: {_short(name)}")
         elif name in variables:
             c.problem(f"env.passthrough[{index}]", f"{name} is also set in env.vars")
 
@@ -403,18 +452,22 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     for name, default in _DEFAULT_LIMITS.items():
         value = limits_table.get(name, default)
         integer = name != "timeout"
-        checked = c.number(value, f"limits.{name}", integer=integer, minimum=1 if integer else 0.001)
+        checked = c.number(
+            value, f"limits.{name}", integer=integer, minimum=1 if integer else 0.001, maximum=_MAX_LIMITS[name]
+        )
         limits[name] = default if checked is None else checked
 
     lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
     idle_timeout = None
     if "idle_timeout" in lifecycle:
-        idle_timeout = c.number(lifecycle["idle_timeout"], "lifecycle.idle_timeout", integer=False, minimum=0.001)
+        idle_timeout = c.number(
+            lifecycle["idle_timeout"], "lifecycle.idle_timeout", integer=False, minimum=0.001, maximum=math.inf
+        )
     destroy = c.boolean(lifecycle.get("destroy_on_close", False), "lifecycle.destroy_on_close") or False
 
     resolved = _Resolved(
         id=spec_id or "",
-        driver=driver if isinstance(driver, str) else "native",
+        driver=driver,
         template=template,
         workspace=workspace,
         vars=variables,
@@ -431,7 +484,9 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
     if egress in ("deny-all", "allow-all"):
         return egress
     if not isinstance(egress, list):
-        c.problem("network.egress", f"must be 'deny-all', 'allow-all' or a list of allowed origins, not {egress!r}")
+        c.problem(
+            "network.egress", f"must be 'deny-all', 'allow-all' or a list of allowed origins, not {_short(egress)}"
+        )
         return "deny-all"
     entries = []
     seen = set()
@@ -446,16 +501,16 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
                 origin = str(parse_origin(table["origin"], "the origin"))
             except SandboxError as exc:
                 c.problem(f"{field}.origin", exc.message)
-            if origin in seen:
+            if origin is not None and origin in seen:
                 c.problem(f"{field}.origin", f"{origin} is listed twice")
             seen.add(origin)
         headers = {}
-        for name, reference in c.table(
-            table.get("headers", {}), f"{field}.headers", tuple(table.get("headers", {}) or ())
-        ).items():
+        for name, reference in c.table(table.get("headers", {}), f"{field}.headers", None).items():
             where = f"{field}.headers.{name}"
-            if str(name).lower() in FORBIDDEN_HEADERS:
-                c.problem(where, "is a header the gateway sets itself")
+            if (problem := header_name_problem(name)) is not None:
+                c.problem(where, problem)
+            elif name.lower() in headers:
+                c.problem(where, f"{name} is given twice (header names are case-insensitive)")
             if not isinstance(reference, Mapping):
                 c.problem(
                     where,
@@ -471,7 +526,7 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
             if env_name is not None and not ENV_NAME.fullmatch(env_name):
                 c.problem(f"{where}.env", f"is not a valid environment variable name: {env_name!r}")
             elif env_name is not None and prefix is not None:
-                headers[str(name).lower()] = _HeaderReference(env_name, prefix)
+                headers[name.lower()] = _HeaderReference(env_name, prefix)
         if origin is not None:
             entries.append(_Egress(origin, headers))
     return tuple(entries)
@@ -498,15 +553,14 @@ def _read_directory(root: Path) -> dict[str, bytes]:
 class SpecSandbox:
     """A running sandbox built from a spec: its backend, its session handle,
     and the spec's command environment and limits already applied to
-    :attr:`session`. :meth:`aclose` stops the session (keeping its files,
-    resumable) or deletes it when the spec says ``destroy_on_close``, then
-    closes the backend."""
+    :attr:`session`. Closing it stops the session (keeping its files,
+    resumable) or deletes it when the spec says ``destroy_on_close``."""
 
-    def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle, close: Callable) -> None:
+    def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle) -> None:
         self.spec = spec
         self.backend = backend
         self.handle = handle
-        self._close = close
+        self._close: Callable[[], Awaitable[None]] = handle.aclose
 
     @property
     def session(self) -> Session:
@@ -517,44 +571,91 @@ class SpecSandbox:
 
 
 class _Building:
-    """What :meth:`SandboxSpec.build` returns: await it, or use it as an
-    async context manager."""
+    """What :meth:`SandboxSpec.build` returns: use it once, as an async
+    context manager or by awaiting it."""
 
     def __init__(self, spec: SandboxSpec, state_directory, host_env, backend_options) -> None:
         self._spec = spec
         self._state_directory = state_directory
         self._host_env = host_env
         self._backend_options = backend_options
-        self._stack = contextlib.AsyncExitStack()
+        self._used = False
+        self._context: contextlib.AbstractAsyncContextManager[SpecSandbox] | None = None
 
-    async def _start(self) -> SpecSandbox:
+    def _claim(self) -> None:
+        if self._used:
+            raise SandboxError(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT, "this build() was used already; call spec.build() for another"
+            )
+        self._used = True
+
+    @contextlib.asynccontextmanager
+    async def _opened(self) -> AsyncIterator[SpecSandbox]:
         spec = self._spec
         resolved = spec._checked()
         # Resolve host variables before anything starts.
         spec.environment(self._host_env)
         spec.network_policy(self._host_env)
-        async with contextlib.AsyncExitStack() as stack:
-            backend = await stack.enter_async_context(
-                open_backend(
-                    driver=resolved.driver,
-                    state_directory=self._state_directory or default_state_directory(),
-                    max_concurrent_commands=resolved.limits.max_concurrent_commands,
-                    **self._backend_options,
-                )
-            )
+        async with open_backend(
+            driver=resolved.driver,
+            state_directory=self._state_directory or default_state_directory(),
+            max_concurrent_commands=resolved.limits.max_concurrent_commands,
+            **self._backend_options,
+        ) as backend:
             handle = await spec.create_session(backend, host_env=self._host_env)
-            stack.push_async_callback(handle.aclose)
-            self._stack = stack.pop_all()
-        return SpecSandbox(spec, backend, handle, self._finish)
-
-    async def _finish(self) -> None:
-        await self._stack.aclose()
-
-    def __await__(self):
-        return self._start().__await__()
+            try:
+                yield SpecSandbox(spec, backend, handle)
+            finally:
+                await handle.aclose()
 
     async def __aenter__(self) -> SpecSandbox:
-        return await self._start()
+        self._claim()
+        self._context = self._opened()
+        return await self._context.__aenter__()
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._finish()
+    async def __aexit__(self, *exc_info: object) -> bool | None:
+        assert self._context is not None
+        return await self._context.__aexit__(*exc_info)
+
+    def __await__(self):
+        self._claim()
+        return self._detached().__await__()
+
+    async def _detached(self) -> SpecSandbox:
+        """The awaited form. The backend's nursery cannot live in the
+        caller's task (the caller's own cancel scopes would then nest
+        wrongly around it), so it lives in a trio system task until
+        :meth:`SpecSandbox.aclose`, or until trio.run ends."""
+        ready, release, done = trio.Event(), trio.Event(), trio.Event()
+        outcome: dict[str, Any] = {}
+
+        async def keep() -> None:
+            try:
+                async with self._opened() as sandbox:
+                    outcome["sandbox"] = sandbox
+                    ready.set()
+                    await release.wait()
+            except Exception as exc:  # noqa: BLE001 - handed to whoever awaits build() or aclose()
+                outcome["error"] = exc
+            finally:
+                ready.set()
+                done.set()
+
+        async def close() -> None:
+            release.set()
+            with trio.CancelScope(shield=True):
+                await done.wait()
+            if "error" in outcome:
+                raise outcome.pop("error")
+
+        trio.lowlevel.spawn_system_task(keep)
+        try:
+            await ready.wait()
+        except BaseException:
+            await close()
+            raise
+        if "error" in outcome:
+            raise outcome.pop("error")
+        sandbox = outcome["sandbox"]
+        sandbox._close = close
+        return sandbox

@@ -14,6 +14,7 @@ that thread, so a slow one holds up every sandbox of the same backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -91,6 +92,7 @@ class _Portal:
         return self._enter(trio.from_thread.run_sync, functools.partial(function, *args, **kwargs))
 
     def _enter(self, runner: Callable[..., Any], call: Callable[[], Any]) -> Any:
+        self._refuse_own_thread()
         if self._closed:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "this blocking sandbox was closed")
         try:
@@ -98,18 +100,28 @@ class _Portal:
         except trio.RunFinishedError:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "this blocking sandbox was closed") from None
 
+    def _refuse_own_thread(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise SandboxError(
+                ErrorCode.SANDBOX_INVALID_ARGUMENT,
+                "the blocking API was called from its own trio thread (a callback?); use the async API there",
+            )
+
     def close(self) -> None:
         """Leave the context (stopping what it owns) and end the thread.
-        Idempotent."""
+        Idempotent; a second caller waits for the first to finish."""
+        self._refuse_own_thread()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        trio.from_thread.run_sync(self._closing.set, trio_token=self._token)
-        self._thread.join()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
+            # RunFinishedError: the thread already ended, and _failure says why.
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._closing.set, trio_token=self._token)
+            self._thread.join()
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
 
 
 class _Closing:

@@ -83,3 +83,17 @@ def test_a_failed_open_raises_in_the_caller(tmp_path):
         blocking.open_sandbox(tmp_path / "file")
     assert error.value.code == ErrorCode.SANDBOX_NOT_FOUND
     assert not [t for t in threading.enumerate() if t.name == "sandboxns-blocking"]
+
+
+def test_the_blocking_api_refuses_calls_from_its_own_thread(tmp_path):
+    # As a callback (an authorize hook, say) would: close() and run() from
+    # inside the trio thread must be refused, not deadlock or half-close.
+    with blocking.open_sandbox(tmp_path) as sandbox:
+        for call in (sandbox.close, lambda: sandbox.run("true")):
+            with pytest.raises(SandboxError) as error:
+                sandbox._portal.call_sync(call)
+            assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+        assert sandbox.run("true").exit_code == 0  # still open and working
+    with pytest.raises(SandboxError) as error:
+        sandbox.run("true")
+    assert error.value.code == ErrorCode.SANDBOX_STOPPED

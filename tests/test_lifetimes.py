@@ -108,3 +108,22 @@ async def test_bad_idle_timeouts_are_refused(backend, template, value):
 
 async def test_bad_destroy_on_close_is_refused(backend, template):
     await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, backend.create(template=template, destroy_on_close="yes"))
+
+
+async def test_a_pooled_session_counts_idleness_from_its_hand_out(clock, backend, template):
+    await backend.pool(template=template, size=1)
+    await trio.sleep(10 * IDLE)  # waiting in the pool is not idleness of the new owner
+    handle = await backend.create(template=template, idle_timeout=IDLE)
+    handed_out = trio.current_time()
+    assert (await handle.session.run("true")).exit_code == 0
+    await handle.wait_closed()
+    assert trio.current_time() - handed_out == pytest.approx(IDLE, abs=1)
+
+
+async def test_a_stop_during_a_network_change_waits_for_it(backend, template):
+    handle = await backend.create(template=template)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handle.session.set_network_policy, "allow-all")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(handle.stop)
+    assert not handle.live

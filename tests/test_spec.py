@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import trio
 from conftest import refused
 
 import sandboxns
@@ -245,3 +246,87 @@ async def test_create_session_checks_the_backend_driver(tmp_path):
     spec = SandboxSpec.from_dict({"id": "x", "driver": "bwrap"})
     async with sandboxns.open_backend(state_directory=tmp_path / "state") as backend:
         await refused(ErrorCode.SANDBOX_STATE_MISMATCH, spec.create_session(backend))
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        ({"id": "x", "driver": []}, "driver"),
+        ({"id": "x", "env": {"vars": 5}}, "env.vars"),
+        ({"id": "x", "env": {"vars": {None: "x"}}}, "env.vars"),
+        (
+            {"id": "x", "network": {"egress": [{"origin": "https://a.example", "headers": True}]}},
+            "network.egress[0].headers",
+        ),
+        ({"id": "x", "limits": {"timeout": 10**400}}, "limits.timeout"),
+        ({"id": "x", "limits": {"max_file_bytes": 2**63 - 1}}, "limits.max_file_bytes"),
+        ({"id": "x", "lifecycle": {"idle_timeout": 10**400}}, "lifecycle.idle_timeout"),
+        ({"id": "x", "template": {"files": "a\0b"}}, "template.files"),
+        ({"id": "x", "template": {"files": {"a": "1", "./a": "2"}}}, "template.files"),
+        ({"id": "x", "template": {"files": {"d": "1", "d/e": "2"}}}, "template.files"),
+        ({"id": "x", "template": {"files": {".": "1"}}}, "template.files"),
+        (
+            {"id": "x", "network": {"egress": [{"origin": "https://a.example", "headers": {"X Bad": {"env": "T"}}}]}},
+            "network.egress[0].headers.X Bad",
+        ),
+        (
+            {
+                "id": "x",
+                "network": {"egress": [{"origin": "https://a.example", "headers": {"Proxy-Auth": {"env": "T"}}}]},
+            },
+            "network.egress[0].headers.Proxy-Auth",
+        ),
+        (
+            {
+                "id": "x",
+                "network": {
+                    "egress": [
+                        {
+                            "origin": "https://a.example",
+                            "headers": {"Authorization": {"env": "A"}, "authorization": {"env": "B"}},
+                        }
+                    ]
+                },
+            },
+            "network.egress[0].headers.authorization",
+        ),
+    ],
+)
+def test_odd_documents_are_problems_with_their_field(document, field):
+    problems = SandboxSpec.from_dict(document).validate()
+    assert field in {problem.field for problem in problems}, problems
+
+
+@pytest.mark.parametrize(
+    "text", ["---\nid: !!int abc\n---\n", "---\nid: !!bool maybe\n---\n", "---\nid: !!timestamp x\n---\n"]
+)
+def test_yaml_tags_that_cannot_construct_are_problems(tmp_path, text):
+    [problem] = SandboxSpec.load(write(tmp_path, "SANDBOX.md", text)).validate()
+    assert "cannot parse" in problem.message
+
+
+def test_deep_nesting_and_alias_bombs_stay_problems(tmp_path):
+    deep = SandboxSpec.load(write(tmp_path, "deep.json", "[" * 100_000 + "]" * 100_000))
+    assert "cannot parse" in deep.validate()[0].message
+    bomb = "---\na: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    bomb += "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nid: x\nnetwork: {egress: *c}\n---\n"
+    problems = SandboxSpec.load(write(tmp_path, "SANDBOX.md", bomb)).validate()
+    assert sum(len(str(problem)) for problem in problems) < 10_000
+
+
+def test_two_unparsable_origins_are_not_duplicates():
+    spec = SandboxSpec.from_dict({"id": "x", "network": {"egress": [{"origin": "ftp://a"}, {"origin": "ftp://b"}]}})
+    assert not any("twice" in problem.message for problem in spec.validate())
+
+
+async def test_a_build_is_used_once_and_its_await_form_nests_in_cancel_scopes(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "once"})
+    building = spec.build(state_directory=tmp_path / "state")
+    with trio.fail_after(30):
+        sandbox = await building
+    with trio.move_on_after(30):
+        assert (await sandbox.session.run("true")).exit_code == 0
+    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, building)
+    with trio.move_on_after(30):
+        await sandbox.aclose()
+    await refused(ErrorCode.SANDBOX_STOPPED, sandbox.session.run("true"))
