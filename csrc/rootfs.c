@@ -226,36 +226,69 @@ static int write_file(const char *path, const char *content, struct sbx_report *
     return 0;
 }
 
-/* Create the directories leading to path (relative to the new root). Only
- * the new root's own tmpfs is ever written: an extra bind's target lies
- * either in it or under an earlier bind, where the host made it exist. */
-static int make_parents(const char *path, struct sbx_report *err)
+/* Open, creating it if missing, the mount point of bind inside the new root
+ * (our cwd): one component at a time, never following a symlink. An extra
+ * bind's target may lie under an earlier bind of a host tree a guest could
+ * write (the workspace, between sessions), and a symlink planted there must
+ * not lead the holder's mkdir, open or mount anywhere else on the host. */
+static int open_mount_point(const struct bind *bind, struct sbx_report *err)
 {
-    char partial[PATH_MAX];
+    char path[PATH_MAX];
+    char *component = path, *next;
+    int dirfd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
 
-    for (const char *slash = strchr(path, '/'); slash; slash = strchr(slash + 1, '/')) {
-        snprintf(partial, sizeof partial, "%.*s", (int)(slash - path), path);
-        if (make_dir(partial, err) < 0)
-            return -1;
+    if (dirfd < 0)
+        return fail(err, "bind", errno, "cannot open the new root: %s", strerror(errno));
+    snprintf(path, sizeof path, "%s", bind->target);
+    for (;;) {
+        struct stat st;
+        int fd, last;
+
+        next = strchr(component, '/');
+        last = next == NULL;
+        if (next)
+            *next = '\0';
+        if (!last || bind->is_dir) {
+            if (mkdirat(dirfd, component, 0755) < 0 && errno != EEXIST) {
+                int e = errno;
+                close(dirfd);
+                return fail(err, "bind", e, "cannot create /%s: %s", bind->target, strerror(e));
+            }
+            fd = openat(dirfd, component, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        } else {
+            fd = openat(dirfd, component, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+            if (fd >= 0)
+                close(fd);
+            fd = openat(dirfd, component, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+            if (fd >= 0 && (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode))) {
+                close(fd);
+                fd = -1;
+                errno = ELOOP; /* a symlink (or something odd) where the file goes */
+            }
+        }
+        close(dirfd);
+        if (fd < 0)
+            return fail(err, "bind", errno, "cannot open the mount point /%s: %s", bind->target,
+                        strerror(errno));
+        if (last)
+            return fd;
+        dirfd = fd;
+        component = next + 1;
     }
-    return 0;
 }
 
 static int attach_bind(const struct bind *bind, struct sbx_report *err)
 {
-    if (make_parents(bind->target, err) < 0)
+    int target = open_mount_point(bind, err);
+
+    if (target < 0)
         return -1;
-    if (bind->is_dir) {
-        if (make_dir(bind->target, err) < 0)
-            return -1;
-    } else if (access(bind->target, F_OK) < 0) {
-        int fd = open(bind->target, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-        if (fd < 0)
-            return fail(err, "bind", errno, "cannot create /%s: %s", bind->target, strerror(errno));
-        close(fd);
+    if (sys_move_mount(bind->fd, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0) {
+        int e = errno;
+        close(target);
+        return fail(err, "bind", e, "cannot mount /%s: %s", bind->target, strerror(e));
     }
-    if (sys_move_mount(bind->fd, "", AT_FDCWD, bind->target, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-        return fail(err, "bind", errno, "cannot mount /%s: %s", bind->target, strerror(errno));
+    close(target);
     return 0;
 }
 

@@ -522,6 +522,15 @@ class Backend:
         layout = description["layout"]
         workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
         mounts = check_mounts([Mount(**mount) for mount in description.get("mounts", [])])
+        for stored, mount in zip(description.get("mounts", []), mounts, strict=True):
+            # A symlink swapped in since (a guest can write some of these
+            # trees) must not redirect the bind to another host path.
+            if mount.host != stored["host"]:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"mount source {stored['host']} now leads to {mount.host}; refusing to bind it",
+                )
+            self._refuse_state_overlap(Path(mount.host), "mount")
         overlay = None
         if layout == "overlay":
             scratch = session_dir / "overlay-work"

@@ -73,3 +73,31 @@ async def test_bad_host_paths_are_refused(backend, shared, tmp_path):
         backend.create(workspace=shared, mounts=[Mount(backend.state_directory, "/run/x")]),
     )
     await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, backend.create(workspace=shared, mounts=["/tmp"]))
+
+
+async def test_a_guest_symlink_cannot_redirect_a_mount_point_on_resume(backend, shared, tmp_path):
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    handle = await backend.create(workspace=project, mounts=[Mount(shared / "data.txt", "/workspace/sub/settings.txt")])
+    # A directory holding a mount point can be renamed: the guest swaps in a
+    # symlink to a host directory for the next session's holder to follow.
+    swap = await handle.session.run("sh", ["-c", f"mv sub sub.old && ln -s {victim} sub"])
+    assert swap.exit_code == 0, swap.stderr
+    state = handle.capture_state()
+    await handle.stop()
+    await refused(ErrorCode.SANDBOX_UNAVAILABLE, backend.create(state=state))
+    assert list(victim.iterdir()) == []
+
+
+async def test_a_mount_source_that_now_leads_elsewhere_is_refused(backend, shared, tmp_path):
+    (tmp_path / "link-target").mkdir()
+    source = tmp_path / "source"
+    source.mkdir()
+    handle = await backend.create(workspace=shared, mounts=[Mount(source, "/run/source")])
+    state = handle.capture_state()
+    await handle.stop()
+    source.rmdir()
+    source.symlink_to(tmp_path / "link-target")
+    await refused(ErrorCode.SANDBOX_PATH_REFUSED, backend.create(state=state))
