@@ -87,7 +87,7 @@ def _write_json(path: Path, value: dict) -> None:
     os.rename(temporary, path)
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """rmtree that also removes the directories overlayfs leaves mode 000
     (root ignores the mode; anyone else must restore it first). Everything
     in a session is stopped before its tree is removed."""
@@ -256,7 +256,7 @@ class SessionHandle:
             try:
                 trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
                 os.rename(self._dir, trash)
-                await trio.to_thread.run_sync(_remove_tree, trash)
+                await trio.to_thread.run_sync(remove_tree, trash)
             finally:
                 self._release()
             self._deleted = True
@@ -490,7 +490,7 @@ class Backend:
             lease = await Lease.acquire(session_dir, self.state_directory)
         except BaseException:
             if new:
-                await trio.to_thread.run_sync(_remove_tree, session_dir)
+                await trio.to_thread.run_sync(remove_tree, session_dir)
             raise
         network = SessionNetwork(self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch())
         try:
@@ -500,7 +500,7 @@ class Backend:
             await network.aclose()
             lease.release()
             if new:
-                await trio.to_thread.run_sync(_remove_tree, session_dir)
+                await trio.to_thread.run_sync(remove_tree, session_dir)
             raise
         handle._driver = driver
         handle._lease = lease
@@ -536,7 +536,7 @@ class Backend:
             scratch = session_dir / "overlay-work"
             # overlayfs wants its work directory empty of a previous mount's
             # leftovers, some of which it makes mode 000.
-            await trio.to_thread.run_sync(_remove_tree, scratch)
+            await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
             overlay = (self._templates.files_of(description["template"]), scratch)
         try:
@@ -550,7 +550,7 @@ class Backend:
         # template into its workspace instead.
         self._overlay = False
         description["layout"] = "copy"
-        await trio.to_thread.run_sync(_remove_tree, session_dir / "overlay-work")
+        await trio.to_thread.run_sync(remove_tree, session_dir / "overlay-work")
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
         return await self._driver_class.start(

@@ -17,38 +17,58 @@ things from a sandbox, and accepts any object that has them:
   terminal teardown; idempotent.
 
 :func:`namespace_sandbox` gives each task a fresh directory;
-:func:`worktree_sandbox` gives each task a git worktree of a repository on
-its own branch, in which ``git status``, ``diff`` and ``commit`` work inside
-the sandbox while the repository's ``config`` and ``hooks`` stay read-only
-there: the host runs git in that repository later, and a guest that could
-change either would run code on the host.
+:func:`worktree_sandbox` gives each task a working tree of a git repository
+on its own branch, in which git works inside the sandbox.
+
+How the worktree kind keeps the host safe. Whatever a guest can write, the
+host must never run git *on*: git executes what a repository's config says
+(``core.fsmonitor``, hooks, a ``commondir`` file that swaps in another
+config, a nested repository's config reached through a submodule), so a
+guest that could write any of it into a place where the host later runs
+git would run code on the host. So each task gets its own git directory,
+separate from the repository's: its objects come from the repository's
+object store, bound read-only, through an ``alternates`` file; commits go
+to the task's own store and refs; and its ``config`` and ``hooks`` are
+read-only inside as well. The host runs git only in the repository itself,
+never in a task's directories: the task's commits come back as a *bundle*
+(created by git inside the sandbox, checked with ``transfer.fsckObjects``
+on the host, like a fetch from an untrusted remote) onto the task's branch,
+and "is the worktree dirty?" is asked of git inside the sandbox.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import trio
 
-from ._backend import open_backend, stored_session_state
+from ._backend import SessionHandle, open_backend, remove_tree, stored_session_state
 from ._driver import Mount
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE
 from ._lease import clear_lease, lease_status
 from ._network import check_network_policy
-from ._session import normalize_path
+from ._session import RunResult, normalize_path
 
 __all__ = ["NamespaceSandbox", "WorktreeSandbox", "namespace_sandbox", "slug_for", "worktree_sandbox"]
 
 GUEST_GIT_DIR = "/run/sandboxns-git"
+GUEST_OBJECTS = "/run/sandboxns-git-objects"
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9]+")
+_OBJECT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+# Git's environment inside a task sandbox: no system or global config, so
+# only the task's own read-only config applies.
+_GUEST_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
 
 
 def slug_for(task_id: str) -> str:
@@ -66,33 +86,75 @@ class _TaskSandboxes:
 
     def __init__(self, root: Path, *, driver: str, network: object) -> None:
         self._policy = check_network_policy(network)
+        if self._policy.needs_gateway:
+            raise SandboxError(
+                ErrorCode.SANDBOX_POLICY_REFUSED,
+                "task sandboxes take 'deny-all' or 'allow-all': an allow-list holds credentials, which a wrapped "
+                "command line cannot carry",
+            )
         self._root = root
         self._records = root / ".sandboxns"
         self.state_directory = self._records / "state"
         self._driver = driver
-        self._network = network
 
-    def _record(self, task_id: str) -> Path:
+    def _workspace_path(self, task_id: str) -> Path:
+        return self._root / slug_for(task_id)
+
+    def _record_path(self, task_id: str) -> Path:
         return self._records / f"{slug_for(task_id)}.json"
 
-    def _session_id(self, task_id: str) -> str | None:
+    def _record(self, task_id: str) -> dict | None:
         try:
-            return json.loads(self._record(task_id).read_text())["session"]
+            return json.loads(self._record_path(task_id).read_text())
         except FileNotFoundError:
             return None
 
-    async def _ensure_session(self, task_id: str, workspace: Path, mounts: Sequence[Mount]) -> None:
-        """Create the task's session over ``workspace`` unless it exists,
-        then let go of it: each wrapped command takes its lease."""
-        if self._session_id(task_id) is not None:
-            return
-        async with open_backend(driver=self._driver, state_directory=self.state_directory) as backend:
-            handle = await backend.create(workspace=workspace, network=self._network, mounts=mounts)
-            await handle.stop()
+    def _save_record(self, task_id: str, record: dict) -> None:
+        path = self._record_path(task_id)
+        staging = path.with_suffix(".new")
+        staging.write_text(json.dumps({"task": task_id, **record}))
+        os.replace(staging, path)
+
+    def _session_id(self, task_id: str) -> str | None:
         record = self._record(task_id)
-        staging = record.with_suffix(".new")
-        staging.write_text(json.dumps({"task": task_id, "session": handle.session_id}))
-        os.replace(staging, record)
+        return None if record is None else record["session"]
+
+    async def _create_session(self, workspace: Path, mounts: Sequence[Mount], setup: Sequence[str] = ()) -> str:
+        """A new session over ``workspace``; ``setup`` runs in it once. The
+        session is stopped again: each wrapped command takes its lease."""
+        async with open_backend(driver=self._driver, state_directory=self.state_directory) as backend:
+            handle = await backend.create(workspace=workspace, network=self._policy, mounts=mounts)
+            try:
+                if setup:
+                    _check_ran(await handle.session.run(setup[0], setup[1:], env=self._guest_env()), "setting up")
+            except BaseException:
+                await handle.delete()
+                raise
+            await handle.stop()
+        return handle.session_id
+
+    def _guest_env(self) -> dict[str, str]:
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "LANG": "C.UTF-8", **_GUEST_GIT_ENV}
+
+    async def _in_session(self, task_id: str, argv: Sequence[str]) -> RunResult:
+        """Run ``argv`` in the task's session (taking its lease meanwhile)."""
+        async with self._resumed(task_id) as handle:
+            return await handle.session.run(argv[0], argv[1:], env=self._guest_env(), timeout=300)
+
+    @contextlib.asynccontextmanager
+    async def _resumed(self, task_id: str) -> AsyncIterator[SessionHandle]:
+        """The task's stored session, resumed (and its lease held) for the
+        block."""
+        session_id = self._session_id(task_id)
+        if session_id is None:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"task {task_id!r} has no workspace")
+        state = stored_session_state(self.state_directory, session_id)
+        async with open_backend(driver=state["backend"], state_directory=self.state_directory) as backend:
+            handle = await backend.create(state=state, template=state["template"], network=self._policy)
+            try:
+                yield handle
+            finally:
+                await handle.shutdown()
 
     def wrap(
         self,
@@ -126,21 +188,18 @@ class _TaskSandboxes:
         if cwd is None:
             return WORKSPACE
         text = os.fspath(cwd)
-        host = self._workspace_path(task_id)
-        if Path(text).is_absolute() and not text.startswith(WORKSPACE):
-            path = Path(text).resolve()
-            if path != host and host not in path.parents:
-                raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{text} is not inside the task's workspace {host}")
-            text = str(path.relative_to(host))
-        return normalize_path(text)
-
-    def _workspace_path(self, task_id: str) -> Path:
-        return self._root / slug_for(task_id)
+        if text == WORKSPACE or text.startswith(WORKSPACE + "/") or not os.path.isabs(text):
+            return normalize_path(text)
+        host = self._workspace_path(task_id).resolve()
+        path = Path(text).resolve()
+        if path != host and host not in path.parents:
+            raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"{text} is not inside the task's workspace {host}")
+        return normalize_path(str(path.relative_to(host)))
 
     def endpoint_for(self, port: int) -> str:
         """``host:port`` at which a process in a sandbox reaches the host's
         ``port``: only with the ``allow-all`` network, which shares the
-        host's; other policies have no route to the host at all."""
+        host's; ``deny-all`` has no route to the host at all."""
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"port must be 1-65535, not {port!r}")
         if not self._policy.shares_host_network:
@@ -160,21 +219,32 @@ class _TaskSandboxes:
         if session_dir.is_dir() and lease_status(session_dir).locked:
             await clear_lease(session_dir, force=True)
 
+    def _in_use(self, task_id: str) -> bool:
+        session_id = self._session_id(task_id)
+        session_dir = self.state_directory / "sessions" / str(session_id)
+        return session_id is not None and session_dir.is_dir() and lease_status(session_dir).locked
+
     async def _delete_session(self, task_id: str) -> None:
         session_id = self._session_id(task_id)
         if session_id is None:
             return
         await self.stop(task_id)
         try:
-            state = stored_session_state(self.state_directory, session_id)
+            async with self._resumed(task_id) as handle:
+                await handle.delete()
         except SandboxError as exc:
             if exc.code != ErrorCode.SANDBOX_NOT_FOUND:
                 raise
-        else:
-            async with open_backend(driver=state["backend"], state_directory=self.state_directory) as backend:
-                handle = await backend.create(state=state, template=state["template"])
-                await handle.delete()
-        self._record(task_id).unlink(missing_ok=True)
+        self._record_path(task_id).unlink(missing_ok=True)
+
+
+def _check_ran(result: RunResult, what: str) -> RunResult:
+    if result.exit_code != 0:
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE,
+            f"{what} in the task's sandbox failed ({result.exit_code or result.signal}): {result.stderr.strip()}",
+        )
+    return result
 
 
 class NamespaceSandbox(_TaskSandboxes):
@@ -183,26 +253,31 @@ class NamespaceSandbox(_TaskSandboxes):
 
     async def workspace(self, id: str) -> dict:
         path = self._workspace_path(id)
-        path.mkdir(parents=True, exist_ok=True)
-        await self._ensure_session(id, path, ())
+        if self._record(id) is None:
+            path.mkdir(parents=True, exist_ok=True)
+            self._save_record(id, {"session": await self._create_session(path, ())})
         return {"cwd": WORKSPACE, "host_path": str(path)}
 
     async def cleanup(self, id: str, force: bool = False) -> dict:
         """Delete the task's session and directory (a namespace workspace
         is never "dirty": nothing in it is meant to outlive the task; keep
-        results elsewhere). ``force`` is accepted for the shape's sake."""
+        results elsewhere). Refused while a command runs there, unless
+        ``force``, which kills it."""
         path = self._workspace_path(id)
-        if self._session_id(id) is None and not path.exists():
+        if self._record(id) is None and not path.exists():
             return {"removed": False, "dirty": False, "detail": "nothing to clean up"}
+        if not force and self._in_use(id):
+            return {"removed": False, "dirty": False, "detail": "a command runs there; stop it first or force"}
         await self._delete_session(id)
-        await trio.to_thread.run_sync(shutil.rmtree, path, True)
+        await trio.to_thread.run_sync(remove_tree, path)
         return {"removed": True, "dirty": False, "detail": f"removed {path}"}
 
 
 class WorktreeSandbox(_TaskSandboxes):
-    """Each task gets a git worktree of ``repo`` on branch
-    ``<branch_prefix>/<slug>``, in ``root/<slug>``, as its sandbox's
-    workspace. See the module docstring for the methods."""
+    """Each task gets a working tree of ``repo`` on branch
+    ``<branch_prefix>/<slug>``, in ``root/<slug>``, with a git directory of
+    its own (see the module docstring). Besides the structural methods,
+    :meth:`collect` brings a task's commits onto its branch."""
 
     def __init__(self, repo: Path, branch_prefix: str, root: Path, *, driver: str, network: object) -> None:
         super().__init__(root, driver=driver, network=network)
@@ -212,81 +287,165 @@ class WorktreeSandbox(_TaskSandboxes):
     def branch_for(self, task_id: str) -> str:
         return f"{self.branch_prefix}/{slug_for(task_id)}"
 
-    async def _git(self, *args: str, cwd: Path | None = None, check: bool = True) -> str:
+    def _git_dir(self, task_id: str) -> Path:
+        return self._records / f"{slug_for(task_id)}.git"
+
+    async def _git(self, *args: str) -> str:
+        """git in the repository itself (never in a task's directories)."""
         result = await trio.run_process(
-            ["git", "-C", str(cwd or self.repo), *args], capture_stdout=True, capture_stderr=True, check=False
+            ["git", "-C", str(self.repo), *args], capture_stdout=True, capture_stderr=True, check=False
         )
-        if check and result.returncode != 0:
+        if result.returncode != 0:
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
                 f"git {' '.join(args)} failed: {result.stderr.decode(errors='replace').strip()}",
             )
-        return result.stdout.decode(errors="replace")
+        return result.stdout.decode(errors="replace").strip()
 
     async def workspace(self, id: str) -> dict:
         path = self._workspace_path(id)
-        if not path.exists():
-            branch = self.branch_for(id)
-            exists = await self._git("rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
-            if exists:
-                await self._git("worktree", "add", str(path), branch)
-            else:
-                await self._git("worktree", "add", "-b", branch, str(path), "HEAD")
-        await self._ensure_session(id, path, await self._git_mounts(id, path))
+        if self._record(id) is not None:
+            return {"cwd": WORKSPACE, "host_path": str(path)}
+        branch = self.branch_for(id)
+        try:
+            base = await self._git("rev-parse", "--verify", "--quiet", f"refs/heads/{branch}^{{commit}}")
+        except SandboxError:
+            base = await self._git("rev-parse", "--verify", "HEAD^{commit}")
+            await self._git("branch", branch, base)
+        mounts = await self._prepare_git_dir(id, branch, base)
+        await trio.to_thread.run_sync(remove_tree, path)  # leftovers of an interrupted attempt
+        path.mkdir(parents=True)
+        session_id = await self._create_session(path, mounts, setup=("git", "reset", "--hard", "--quiet"))
+        self._save_record(id, {"session": session_id, "base": base})
         return {"cwd": WORKSPACE, "host_path": str(path)}
 
-    async def _git_mounts(self, task_id: str, path: Path) -> list[Mount]:
-        """The repository's git directory, writable (objects, refs, this
-        worktree's index), under /run/sandboxns-git, except its config,
-        hooks and submodule directories, which are read-only; and a
-        ``.git`` file in the workspace that points there. (Writable refs
-        mean a guest can move any branch, not only its own: review what a
-        task leaves before pushing anything.)"""
-        common = Path((await self._git("rev-parse", "--git-common-dir", cwd=path)).strip())
-        common = (path / common).resolve()
-        own = Path((await self._git("rev-parse", "--git-dir", cwd=path)).strip())
-        own = (path / own).resolve()
-        # Made if missing, so that they exist to be covered read-only: a
-        # guest that could plant a submodule's git directory would have the
-        # host run its config and hooks on the next `git submodule update`.
-        (common / "hooks").mkdir(exist_ok=True)
-        (common / "modules").mkdir(exist_ok=True)
+    async def _prepare_git_dir(self, task_id: str, branch: str, base: str) -> list[Mount]:
+        """The task's own git directory, written by the host from scratch:
+        HEAD on the task's branch at ``base``, the repository's objects as
+        an alternate, the repository's identity (user.name, user.email)."""
+        objects = Path(await self._git("rev-parse", "--path-format=absolute", "--git-path", "objects"))
+        object_format = await self._git("rev-parse", "--show-object-format")
+        identity = []
+        for key in ("user.name", "user.email"):
+            try:
+                identity.append((key.split(".")[1], await self._git("config", "--get", key)))
+            except SandboxError:
+                pass
+        git_dir = self._git_dir(task_id)
+        await trio.to_thread.run_sync(remove_tree, git_dir)
+        for sub in ("objects/info", "objects/pack", "refs/tags", "hooks", "info"):
+            (git_dir / sub).mkdir(parents=True, exist_ok=True)
+        ref = git_dir / "refs" / "heads" / branch
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(base + "\n")
+        (git_dir / "HEAD").write_text(f"ref: refs/heads/{branch}\n")
+        (git_dir / "objects" / "info" / "alternates").write_text(GUEST_OBJECTS + "\n")
+        config = ["[core]", "\trepositoryformatversion = 1", "\tfilemode = true", "\tbare = false"]
+        config += ["[extensions]", f"\tobjectformat = {object_format}"]
+        if identity:
+            config += ["[user]", *(f"\t{key} = {_config_value(value)}" for key, value in identity)]
+        (git_dir / "config").write_text("\n".join(config) + "\n")
         gitfile = self._records / f"{slug_for(task_id)}.gitfile"
-        gitfile.write_text(f"gitdir: {GUEST_GIT_DIR}/{own.relative_to(common)}\n")
-        mounts = [
-            Mount(common, GUEST_GIT_DIR, writable=True),
-            Mount(common / "config", f"{GUEST_GIT_DIR}/config"),
-            Mount(common / "hooks", f"{GUEST_GIT_DIR}/hooks"),
-            Mount(common / "modules", f"{GUEST_GIT_DIR}/modules"),
+        gitfile.write_text(f"gitdir: {GUEST_GIT_DIR}\n")
+        return [
+            Mount(git_dir, GUEST_GIT_DIR, writable=True),
+            Mount(git_dir / "config", f"{GUEST_GIT_DIR}/config"),
+            Mount(git_dir / "hooks", f"{GUEST_GIT_DIR}/hooks"),
+            Mount(objects, GUEST_OBJECTS),
+            Mount(gitfile, f"{WORKSPACE}/.git"),
         ]
-        if (own / "config.worktree").is_file():
-            mounts.append(Mount(own / "config.worktree", f"{GUEST_GIT_DIR}/{own.relative_to(common)}/config.worktree"))
-        return [*mounts, Mount(gitfile, f"{WORKSPACE}/.git")]
+
+    async def collect(self, id: str) -> dict:
+        """Bring the task's commits onto its branch in the repository:
+        ``{"branch", "commit", "imported"}``. The branch takes whatever
+        the task made of it (it is the task's), checked like a fetch from
+        an untrusted remote."""
+        record = self._record(id)
+        if record is None:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"task {id!r} has no workspace")
+        branch, base = self.branch_for(id), record["base"]
+        bundle = f"{GUEST_GIT_DIR}/sandboxns.bundle"
+        tip_probe = ("git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}^{{commit}}")
+        tip = _check_ran(await self._in_session(id, tip_probe), "reading the task's branch").stdout.strip()
+        if not _OBJECT_ID.fullmatch(tip):
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the task's branch names no commit: {tip[:100]!r}")
+        if tip == base:
+            return {"branch": branch, "commit": tip, "imported": False}
+        make_bundle = ("git", "bundle", "create", "--quiet", bundle, f"refs/heads/{branch}", f"^{base}")
+        _check_ran(await self._in_session(id, make_bundle), "bundling the task's commits")
+        with tempfile.TemporaryDirectory(prefix="sandboxns-bundle-") as private:
+            host_bundle = Path(private) / "task.bundle"
+            _take_regular_file(self._git_dir(id) / "sandboxns.bundle", host_bundle)
+            await self._git("-c", "transfer.fsckObjects=true", "bundle", "verify", "--quiet", str(host_bundle))
+            await self._git(
+                "-c", "transfer.fsckObjects=true", "fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+                str(host_bundle), f"+refs/heads/{branch}:refs/heads/{branch}",
+            )  # fmt: skip
+        imported = await self._git("rev-parse", "--verify", f"refs/heads/{branch}^{{commit}}")
+        self._save_record(id, {**record, "base": imported})
+        return {"branch": branch, "commit": imported, "imported": True}
 
     async def cleanup(self, id: str, force: bool = False) -> dict:
-        """Remove the task's worktree directory and session; the branch
-        stays. A worktree with uncommitted changes is left alone unless
-        ``force``."""
+        """Bring the task's commits onto its branch, then remove its working
+        tree, git directory and session; the branch stays. A working tree
+        with uncommitted changes, or one where a command runs, is left alone
+        unless ``force``."""
         path = self._workspace_path(id)
-        if not path.exists():
+        changes, kept = "", f"branch {self.branch_for(id)} kept"
+        if self._record(id) is None:
+            if not path.exists() and not self._git_dir(id).exists():
+                return {"removed": False, "dirty": False, "detail": "nothing to clean up"}
+            # Only a half-made workspace: nothing of the task's to keep.
+        else:
+            if self._in_use(id):
+                if not force:
+                    return {"removed": False, "dirty": False, "detail": "a command runs there; stop it first or force"}
+                await self.stop(id)
+            status = await self._in_session(id, ("git", "status", "--porcelain"))
+            changes = status.stdout.strip() if status.exit_code == 0 else f"git status failed: {status.stderr.strip()}"
+            if changes and not force:
+                return {
+                    "removed": False,
+                    "dirty": True,
+                    "detail": f"uncommitted changes in {path}; commit them or clean up with force=True:\n{changes}",
+                }
+            try:
+                kept += f" at {(await self.collect(id))['commit'][:12]}"
+            except SandboxError as exc:  # a guest can break its own git directory
+                if not force:
+                    return {
+                        "removed": False,
+                        "dirty": bool(changes),
+                        "detail": f"the task's commits cannot be collected ({exc.message}); force=True discards them",
+                    }
+                kept += f"; the task's commits could not be collected: {exc.message}"
             await self._delete_session(id)
-            return {"removed": False, "dirty": False, "detail": "nothing to clean up"}
-        await self.stop(id)
-        changes = (await self._git("status", "--porcelain", cwd=path)).strip()
-        if changes and not force:
-            return {
-                "removed": False,
-                "dirty": True,
-                "detail": f"uncommitted changes in {path}; commit them or clean up with force=True:\n{changes}",
-            }
-        await self._delete_session(id)
-        await self._git("worktree", "remove", *(["--force"] if changes else []), str(path))
+        for leftover in (path, self._git_dir(id)):
+            await trio.to_thread.run_sync(remove_tree, leftover)
         (self._records / f"{slug_for(id)}.gitfile").unlink(missing_ok=True)
-        return {
-            "removed": True,
-            "dirty": bool(changes),
-            "detail": f"removed {path}; branch {self.branch_for(id)} kept",
-        }
+        return {"removed": True, "dirty": bool(changes), "detail": f"removed {path}; {kept}"}
+
+
+def _take_regular_file(source: Path, target: Path) -> None:
+    """Move a file a guest wrote to a host-private place: only a regular
+    file, never through a symlink and never blocking on a FIFO it planted."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the task's bundle cannot be read: {exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's bundle is not a regular file")
+        with open(fd, "rb", closefd=False) as reader, open(target, "wb") as writer:
+            shutil.copyfileobj(reader, writer)
+    finally:
+        os.close(fd)
+        source.unlink(missing_ok=True)
+
+
+def _config_value(value: str) -> str:
+    """A value as git config syntax quotes it."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def namespace_sandbox(
@@ -306,16 +465,20 @@ def worktree_sandbox(
     driver: str = "native",
     network: object = "deny-all",
 ) -> WorktreeSandbox:
-    """Task sandboxes whose workspaces are git worktrees of ``repo``, in
-    ``root`` (default: ``<repo>-worktrees`` beside it), on branches
-    ``<branch_prefix>/<slug>``."""
+    """Task sandboxes whose workspaces are working trees of the git
+    repository ``repo``, in ``root`` (default: ``<repo>-worktrees`` beside
+    it), on branches ``<branch_prefix>/<slug>``."""
     repo_path = Path(repo).resolve()
     if not (repo_path / ".git").exists():
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{repo_path} is not a git repository's top directory")
-    if not isinstance(branch_prefix, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]*", branch_prefix):
+    if not isinstance(branch_prefix, str) or not re.fullmatch(
+        r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)*", branch_prefix
+    ):
         raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"invalid branch prefix {branch_prefix!r}")
-    path = Path(root).absolute() if root is not None else repo_path.with_name(f"{repo_path.name}-worktrees")
-    if path == repo_path or repo_path in path.parents:
-        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"worktrees must live outside the repository, not in {path}")
+    path = Path(root).resolve() if root is not None else repo_path.with_name(f"{repo_path.name}-worktrees")
+    if path == repo_path or repo_path in path.parents or path in repo_path.parents:
+        raise SandboxError(
+            ErrorCode.SANDBOX_PATH_REFUSED, f"task trees must live outside the repository, not in {path}"
+        )
     (path / ".sandboxns").mkdir(parents=True, exist_ok=True)
-    return WorktreeSandbox(repo_path, branch_prefix.rstrip("/"), path, driver=driver, network=network)
+    return WorktreeSandbox(repo_path, branch_prefix, path, driver=driver, network=network)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -55,13 +56,14 @@ async def test_git_works_inside_a_worktree_sandbox(driver_name, repo, tmp_path):
     first = await sandbox.workspace(TASK)
     assert first == await sandbox.workspace(TASK)  # idempotent
     assert first["cwd"] == "/workspace"
-    host_path = first["host_path"]
-    assert (tmp_path / "trees" / adapters.slug_for(TASK)).samefile(host_path)
+    assert (tmp_path / "trees" / adapters.slug_for(TASK)).samefile(first["host_path"])
+    assert (Path(first["host_path"]) / "parser.py").read_text() == "def parse(): pass\n"
     branch = f"agent/{adapters.slug_for(TASK)}"
+    assert git(repo, "rev-parse", branch) == git(repo, "rev-parse", "main")
 
     script = (
-        "echo '# fixed' >> parser.py && git status --porcelain && git diff --stat && "
-        "git add -A && git commit -qm 'fix from the sandbox' && git log --format=%s -1"
+        "git status --porcelain && echo '# fixed' >> parser.py && git status --porcelain && git diff --stat && "
+        "git add -A && git commit -qm 'fix from the sandbox' && git log --format='%s by %an' -2"
     )
     done = await run(sandbox.wrap(["sh", "-c", script], id=TASK))
     assert done.returncode == 0, done.stderr
@@ -69,25 +71,57 @@ async def test_git_works_inside_a_worktree_sandbox(driver_name, repo, tmp_path):
         " M parser.py",
         " parser.py | 1 +",
         " 1 file changed, 1 insertion(+)",
-        "fix from the sandbox",
+        "fix from the sandbox by Host User",
+        "initial by Host User",
     ]
-    # The commit is on the task's branch in the host's repository.
+    # The commit reaches the task's branch in the repository when collected.
+    assert git(repo, "log", "--format=%s", "-1", branch).strip() == "initial"
+    collected = await sandbox.collect(TASK)
+    assert collected["imported"] and collected["branch"] == branch
     assert git(repo, "log", "--format=%s", "-1", branch).strip() == "fix from the sandbox"
     assert git(repo, "log", "--format=%s", "-1", "main").strip() == "initial"
+    assert not (await sandbox.collect(TASK))["imported"]  # nothing new since
 
-    # config and hooks are read-only inside: the host runs them later.
-    config_before = (repo / ".git" / "config").read_text()
+    # Inside, the task's git config and hooks are read-only, and the
+    # repository's own store is out of reach.
     for attempt in (
         "git config core.hooksPath /workspace",
         "echo '[core] fsmonitor = evil' >> /run/sandboxns-git/config",
         "echo evil > /run/sandboxns-git/hooks/post-checkout",
-        "chmod +x /run/sandboxns-git/hooks",
-        "mkdir -p /run/sandboxns-git/modules/sub/hooks",
+        "touch /run/sandboxns-git-objects/planted",
+        f"ls {repo}",
     ):
         refused_write = await run(sandbox.wrap(["sh", "-c", attempt], id=TASK))
         assert refused_write.returncode != 0, attempt
-    assert (repo / ".git" / "config").read_text() == config_before
-    assert "post-checkout" not in os.listdir(repo / ".git" / "hooks")
+
+
+async def test_what_a_guest_plants_in_git_never_runs_on_the_host(repo, tmp_path):
+    # The review's attacks: a commondir file leading to a config with
+    # core.fsmonitor, and a nested repository (reached as a submodule) with
+    # the same. The host must never run git where the guest could write.
+    marker = tmp_path / "host-ran-guest-code"
+    evil = f"touch {marker}; false"
+    sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees")
+    await sandbox.workspace(TASK)
+    plant = (
+        "mkdir -p /run/sandboxns-git/evil/objects /run/sandboxns-git/evil/refs && "
+        "echo 'ref: refs/heads/x' > /run/sandboxns-git/evil/HEAD && "
+        f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tfsmonitor = \"{evil}\"\\n' > /run/sandboxns-git/evil/config && "
+        "echo evil > /run/sandboxns-git/commondir; "
+        'git init -q sub && git -C sub config core.fsmonitor "$EVIL" && '
+        "git -C sub commit -q --allow-empty -m sub && git add sub && git commit -qm 'with a gitlink'; "
+        "echo untracked > loose.txt"
+    )
+    done = await run(sandbox.wrap(["sh", "-c", plant], env={"EVIL": evil}, id=TASK), env={"EVIL": evil})
+    assert done.returncode == 0 or b"commondir" in done.stderr, done.stderr
+    refused_cleanup = await sandbox.cleanup(TASK)  # git inside is broken or the tree dirty: refuses
+    assert refused_cleanup["removed"] is False
+    with contextlib.suppress(SandboxError):  # the guest may have broken its own git directory
+        await sandbox.collect(TASK)
+    assert (await sandbox.cleanup(TASK, force=True))["removed"] is True
+    git(repo, "status")
+    git(repo, "log", "--all")
+    assert not marker.exists()
 
 
 async def test_wrap_passes_names_not_values_and_maps_host_paths(driver_name, repo, tmp_path):
@@ -113,20 +147,24 @@ async def test_cleanup_keeps_the_branch_and_refuses_a_dirty_worktree(repo, tmp_p
     sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees")
     assert await sandbox.cleanup("never-made") == {"removed": False, "dirty": False, "detail": "nothing to clean up"}
     workspace = await sandbox.workspace(TASK)
+    commit = await run(sandbox.wrap(["sh", "-c", "echo one >> parser.py && git commit -qam one"], id=TASK))
+    assert commit.returncode == 0, commit.stderr
     done = await run(sandbox.wrap(["sh", "-c", "echo change >> parser.py"], id=TASK))
     assert done.returncode == 0, done.stderr
     dirty = await sandbox.cleanup(TASK)
     assert (dirty["removed"], dirty["dirty"]) == (False, True) and "parser.py" in dirty["detail"]
     assert os.path.isdir(workspace["host_path"])
     forced = await sandbox.cleanup(TASK, force=True)
-    assert (forced["removed"], forced["dirty"]) == (True, True)
+    assert (forced["removed"], forced["dirty"]) == (True, True), forced
     assert not os.path.exists(workspace["host_path"])
-    assert sandbox.branch_for(TASK) in git(repo, "branch", "--list", sandbox.branch_for(TASK))
+    # The branch stays, with the committed work (not the uncommitted).
+    assert git(repo, "log", "--format=%s", "-1", sandbox.branch_for(TASK)).strip() == "one"
     assert os.listdir(sandbox.state_directory / "sessions") == []
     again = await sandbox.cleanup(TASK)
     assert again["removed"] is False and again["detail"] == "nothing to clean up"
     # The same task id gets its branch back, with its commits.
-    assert os.path.isdir((await sandbox.workspace(TASK))["host_path"])
+    again_workspace = await sandbox.workspace(TASK)
+    assert (Path(again_workspace["host_path"]) / "parser.py").read_text().endswith("one\n")
 
 
 async def test_stop_kills_a_running_command(repo, tmp_path):
