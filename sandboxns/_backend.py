@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 import ssl
+import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -88,24 +89,44 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes the directories overlayfs leaves mode 000
-    (root ignores the mode; anyone else must restore it first). Everything
-    in a session is stopped before its tree is removed."""
+    """Remove a tree a guest may have shaped: with symlinks (never
+    followed), with directories overlayfs left mode 000 (root ignores the
+    mode; anyone else must restore it first), nested deeper than Python's
+    recursion or PATH_MAX (then GNU rm, which walks any depth, finishes).
+    Nothing of the session runs any more when this is called."""
+    target = os.fspath(path)
 
     def unlock_and_retry(function, failed_path, exc_info):
         if not isinstance(exc_info[1], PermissionError):
             raise exc_info[1]
-        for target in (os.path.dirname(failed_path), failed_path):
-            if not os.path.islink(target):  # a guest's symlink may point anywhere
+        for writable in (os.path.dirname(failed_path), failed_path):
+            if not os.path.islink(writable):  # a guest's symlink may point anywhere
                 with contextlib.suppress(OSError):
-                    os.chmod(target, 0o700)
+                    os.chmod(writable, 0o700)
         if os.path.isdir(failed_path) and not os.path.islink(failed_path):
             shutil.rmtree(failed_path, onerror=unlock_and_retry)
         else:
             function(failed_path)
 
-    if path.exists():
-        shutil.rmtree(path, onerror=unlock_and_retry)
+    if not os.path.lexists(target):
+        return
+    if os.path.islink(target) or not os.path.isdir(target):
+        os.unlink(target)
+        return
+    try:
+        shutil.rmtree(target, onerror=unlock_and_retry)
+        return
+    except (RecursionError, OSError):
+        pass
+    if os.geteuid() != 0:
+        # -R never follows the symlinks it meets inside the tree.
+        subprocess.run(["chmod", "-R", "u+rwx", "--", target], check=False, capture_output=True)
+    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", target], check=False, capture_output=True)
+    if os.path.lexists(target):
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE,
+            f"cannot remove {target}: {done.stderr.decode(errors='replace').strip()[:500]}",
+        )
 
 
 class SessionHandle:

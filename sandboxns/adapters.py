@@ -28,12 +28,12 @@ guest that could write any of it into a place where the host later runs
 git would run code on the host. So each task gets its own git directory,
 separate from the repository's: its objects come from the repository's
 object store, bound read-only, through an ``alternates`` file; commits go
-to the task's own store and refs; and its ``config`` and ``hooks`` are
-read-only inside as well. The host runs git only in the repository itself,
-never in a task's directories: the task's commits come back as a *bundle*
-(created by git inside the sandbox, checked with ``transfer.fsckObjects``
-on the host, like a fetch from an untrusted remote) onto the task's branch,
-and "is the worktree dirty?" is asked of git inside the sandbox.
+to the task's own store and refs. The host runs git only in the repository
+itself and never into submodules: the task's commits come back as a bundle
+(made by git inside the sandbox) whose objects ``git index-pack --strict``
+checks before the task's branch moves, and "is the worktree dirty?" is
+asked of git inside the sandbox. A task can read every object of the
+repository (every branch), and write only its own branch.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ GUEST_GIT_DIR = "/run/sandboxns-git"
 GUEST_OBJECTS = "/run/sandboxns-git-objects"
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9]+")
 _OBJECT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+# A task's git work is small; these bound what a guest can make it cost.
+GUEST_GIT_TIMEOUT = 60.0
+HOST_GIT_TIMEOUT = 600.0
+MAX_BUNDLE_BYTES = 1024**3
 # Git's environment inside a task sandbox: no system or global config, so
 # only the task's own read-only config applies.
 _GUEST_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
@@ -139,7 +143,7 @@ class _TaskSandboxes:
     async def _in_session(self, task_id: str, argv: Sequence[str]) -> RunResult:
         """Run ``argv`` in the task's session (taking its lease meanwhile)."""
         async with self._resumed(task_id) as handle:
-            return await handle.session.run(argv[0], argv[1:], env=self._guest_env(), timeout=300)
+            return await handle.session.run(argv[0], argv[1:], env=self._guest_env(), timeout=GUEST_GIT_TIMEOUT)
 
     @contextlib.asynccontextmanager
     async def _resumed(self, task_id: str) -> AsyncIterator[SessionHandle]:
@@ -290,11 +294,17 @@ class WorktreeSandbox(_TaskSandboxes):
     def _git_dir(self, task_id: str) -> Path:
         return self._records / f"{slug_for(task_id)}.git"
 
-    async def _git(self, *args: str) -> str:
-        """git in the repository itself (never in a task's directories)."""
-        result = await trio.run_process(
-            ["git", "-C", str(self.repo), *args], capture_stdout=True, capture_stderr=True, check=False
-        )
+    async def _git(self, *args: str, stdin: int | None = None) -> str:
+        """git in the repository itself (never in a task's directories),
+        never recursing into submodules."""
+        with trio.fail_after(HOST_GIT_TIMEOUT):
+            result = await trio.run_process(
+                ["git", "-C", str(self.repo), "-c", "submodule.recurse=false", *args],
+                stdin=stdin,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
         if result.returncode != 0:
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
@@ -376,14 +386,41 @@ class WorktreeSandbox(_TaskSandboxes):
         with tempfile.TemporaryDirectory(prefix="sandboxns-bundle-") as private:
             host_bundle = Path(private) / "task.bundle"
             _take_regular_file(self._git_dir(id) / "sandboxns.bundle", host_bundle)
-            await self._git("-c", "transfer.fsckObjects=true", "bundle", "verify", "--quiet", str(host_bundle))
-            await self._git(
-                "-c", "transfer.fsckObjects=true", "fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
-                str(host_bundle), f"+refs/heads/{branch}:refs/heads/{branch}",
-            )  # fmt: skip
-        imported = await self._git("rev-parse", "--verify", f"refs/heads/{branch}^{{commit}}")
+            imported = await self._import_bundle(host_bundle, branch, base)
         self._save_record(id, {**record, "base": imported})
         return {"branch": branch, "commit": imported, "imported": True}
+
+    async def _import_bundle(self, bundle: Path, branch: str, base: str) -> str:
+        """Point the branch at the bundle's tip, after git has checked every
+        object in it strictly. Not ``git fetch``: it would recurse into
+        submodules the bundle names (running git in directories a guest
+        made), and on this git it does not fsck what a bundle holds."""
+        ref = f"refs/heads/{branch}".encode()
+        tip = None
+        # Unbuffered, so the fd's offset is exactly where the header ends
+        # (a private host file; the header is a few short lines).
+        with open(bundle, "rb", buffering=0) as reader:  # noqa: ASYNC230
+            if reader.readline(64) not in (b"# v2 git bundle\n", b"# v3 git bundle\n"):
+                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's bundle is not a git bundle")
+            while (line := reader.readline(4096)) != b"\n":
+                if not line.endswith(b"\n"):
+                    raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's bundle has a malformed header")
+                oid, _, name = line[:-1].partition(b" ")
+                if name == ref and _OBJECT_ID.fullmatch(oid.decode("ascii", "replace")):
+                    tip = oid.decode()
+            if tip is None:
+                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the task's bundle does not hold {branch}")
+            # index-pack reads the pack from where the header ends.
+            await self._git(
+                "-c", "fsck.hasDot=error", "-c", "fsck.hasDotdot=error", "-c", "fsck.hasDotgit=error",
+                "index-pack", "--stdin", "--fix-thin", "--strict", stdin=reader.fileno(),
+            )  # fmt: skip
+        # Every object the new history needs is here, and the tip is a commit.
+        await self._git("rev-list", "--objects", "--quiet", tip, "--not", base)
+        if await self._git("cat-file", "-t", tip) != "commit":
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's branch does not name a commit")
+        await self._git("update-ref", f"refs/heads/{branch}", tip)
+        return tip
 
     async def cleanup(self, id: str, force: bool = False) -> dict:
         """Bring the task's commits onto its branch, then remove its working
@@ -434,8 +471,11 @@ def _take_regular_file(source: Path, target: Path) -> None:
     except OSError as exc:
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the task's bundle cannot be read: {exc}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's bundle is not a regular file")
+        if info.st_size > MAX_BUNDLE_BYTES:
+            raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"the task's bundle is over {MAX_BUNDLE_BYTES} bytes")
         with open(fd, "rb", closefd=False) as reader, open(target, "wb") as writer:
             shutil.copyfileobj(reader, writer)
     finally:

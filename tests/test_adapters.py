@@ -203,3 +203,36 @@ def test_worktrees_live_outside_the_repository(repo):
     with pytest.raises(SandboxError) as error:
         adapters.worktree_sandbox(repo, root=repo / "trees")
     assert error.value.code == ErrorCode.SANDBOX_PATH_REFUSED
+
+
+async def test_collect_refuses_a_tree_git_would_refuse_from_a_remote(repo, tmp_path):
+    # A ".." entry lets a later fetch or checkout reach outside the tree;
+    # git tolerates it in a bundle unless told to check strictly.
+    sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees")
+    await sandbox.workspace(TASK)
+    branch = sandbox.branch_for(TASK)
+    craft = (
+        "blob=$(echo x | git hash-object -w --stdin) && "
+        "inner=$(printf '100644 blob %s\\tfile\\n' $blob | git mktree) && "
+        "outer=$(printf '040000 tree %s\\t..\\n' $inner | git mktree) && "
+        f"commit=$(git commit-tree -p HEAD -m escape $outer) && git update-ref refs/heads/{branch} $commit"
+    )
+    done = await run(sandbox.wrap(["sh", "-c", craft], id=TASK))
+    assert done.returncode == 0, done.stderr
+    before = git(repo, "rev-parse", branch)
+    with pytest.raises(SandboxError):
+        await sandbox.collect(TASK)
+    assert git(repo, "rev-parse", branch) == before
+
+
+async def test_cleanup_removes_trees_nested_deeper_than_any_path(tmp_path):
+    sandbox = adapters.namespace_sandbox(tmp_path / "tasks")
+    workspace = await sandbox.workspace("deep")
+    nest = (
+        "import os\nfd = os.open('.', os.O_DIRECTORY)\nfor _ in range(3000):\n"
+        "    os.mkdir('d', dir_fd=fd)\n    fd = os.open('d', os.O_DIRECTORY, dir_fd=fd)\n"
+    )
+    done = await run(sandbox.wrap(["python3", "-c", nest], id="deep"))
+    assert done.returncode == 0, done.stderr
+    assert (await sandbox.cleanup("deep"))["removed"] is True
+    assert not os.path.exists(workspace["host_path"])
