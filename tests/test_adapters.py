@@ -230,7 +230,8 @@ async def test_cleanup_removes_trees_nested_deeper_than_any_path(tmp_path):
     workspace = await sandbox.workspace("deep")
     nest = (
         "import os\nfd = os.open('.', os.O_DIRECTORY)\nfor _ in range(3000):\n"
-        "    os.mkdir('d', dir_fd=fd)\n    fd = os.open('d', os.O_DIRECTORY, dir_fd=fd)\n"
+        "    os.mkdir('d', dir_fd=fd)\n    parent, fd = fd, os.open('d', os.O_DIRECTORY, dir_fd=fd)\n"
+        "    os.close(parent)\n"
     )
     done = await run(sandbox.wrap(["python3", "-c", nest], id="deep"))
     assert done.returncode == 0, done.stderr
