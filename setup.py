@@ -16,6 +16,7 @@ HOLDER_SOURCES = [
     "csrc/serve.c",
     "csrc/report.c",
     "csrc/fds.c",
+    "csrc/seccomp.c",
 ]
 HOLDER_NAME = "sandboxns-holder"
 HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]

@@ -46,12 +46,15 @@ ffibuilder.cdef(
     #define RESOLVE_NO_MAGICLINKS ...
     #define RESOLVE_NO_SYMLINKS ...
     int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
+
+    #define SBX_SECCOMP_MAX_INSNS ...
+    int sbx_seccomp_export(unsigned char *out, size_t size);
     """
 )
 ffibuilder.set_source(
     "sandboxns._sbx",
-    '#include <linux/openat2.h>\n#include "sbx_ffi.h"',
-    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c"],
+    '#include <linux/openat2.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
+    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c", f"{CSRC}/seccomp.c"],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,
 )

@@ -27,7 +27,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <linux/seccomp.h>
+
 #include "holder.h"
+#include "sbx_seccomp.h"
 #include "syscalls.h"
 
 /* fd on which the command reports a failed setup step; close-on-exec, so a
@@ -57,6 +60,19 @@ static int drop_capabilities(struct sbx_report *err)
     memset(data, 0, sizeof data);
     if (syscall(SYS_capset, &header, data) < 0)
         return fail(err, "capabilities", errno, "cannot clear capabilities: %s", strerror(errno));
+    return 0;
+}
+
+static int install_seccomp(struct sbx_report *err)
+{
+    struct sock_filter filter[SBX_SECCOMP_MAX_INSNS];
+    struct sock_fprog program = {.filter = filter};
+
+    program.len = (unsigned short)sbx_seccomp_program(filter, SBX_SECCOMP_MAX_INSNS);
+    if (program.len == 0)
+        return fail(err, "seccomp", E2BIG, "the seccomp program does not fit");
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) < 0)
+        return fail(err, "seccomp", errno, "cannot install the seccomp filter: %s", strerror(errno));
     return 0;
 }
 
@@ -135,6 +151,9 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
         goto out_report;
     }
     if (drop_capabilities(&err) < 0)
+        goto out_report;
+    /* Last before chdir and execve, which it must allow: see seccomp.c. */
+    if (install_seccomp(&err) < 0)
         goto out_report;
     /* After dropping capabilities, so the guest's own permissions apply. */
     if (chdir(plan->cwd) < 0) {

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import trio
 
+from . import _ffi
 from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
@@ -51,6 +52,7 @@ from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
+SECCOMP_PROGRAM = _ffi.seccomp_program()
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
 MAX_SIGNAL = 64
 # Starting a session runs one command to see that bwrap works here.
@@ -451,6 +453,13 @@ class BwrapDriver(HostWorkspaceIO):
         for key, value in env.items():
             arguments += ["--setenv", key, value]
         with contextlib.ExitStack() as cleanup:
+            # bwrap installs the seccomp program (read from this fd) right
+            # before it execs the command, like the native driver.
+            seccomp_fd = os.memfd_create("sandboxns-seccomp", os.MFD_CLOEXEC)
+            cleanup.callback(os.close, seccomp_fd)
+            os.write(seccomp_fd, SECCOMP_PROGRAM)
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            arguments += ["--seccomp", str(seccomp_fd)]
             args_fd = os.memfd_create("sandboxns-bwrap-args", os.MFD_CLOEXEC)
             cleanup.callback(os.close, args_fd)
             os.write(args_fd, b"".join(os.fsencode(arg) + b"\0" for arg in arguments))
@@ -472,7 +481,7 @@ class BwrapDriver(HostWorkspaceIO):
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,
-                    pass_fds=(args_fd, status_write),
+                    pass_fds=(args_fd, status_write, seccomp_fd),
                     env={},
                 )
             except OSError as exc:

@@ -92,3 +92,14 @@ def encode_signal(signum: int) -> bytes:
     request = ffi.new("struct sbx_signal_request *")
     request.signal = signum
     return bytes(ffi.buffer(request))
+
+
+def seccomp_program() -> bytes:
+    """The guests' seccomp filter as a compiled BPF program (csrc/seccomp.c):
+    what the holder installs before each command, in the form bwrap's
+    ``--seccomp`` reads."""
+    buffer = ffi.new("unsigned char[]", lib.SBX_SECCOMP_MAX_INSNS * 8)
+    size = lib.sbx_seccomp_export(buffer, len(buffer))
+    if size < 0:
+        raise OSError(-size, os.strerror(-size))
+    return bytes(ffi.buffer(buffer, size))

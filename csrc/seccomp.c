@@ -1,0 +1,168 @@
+/* The seccomp filter every guest command runs under.
+ *
+ * Namespaces decide what a guest can see; this decides which kernel
+ * interfaces it can call at all. Denied: what manipulates the kernel or
+ * other processes (modules, kexec, keyrings, bpf, perf, ptrace, process_vm_*),
+ * interfaces with a long record of exploitable bugs that sandboxed code has no
+ * need for (userfaultfd, io_uring), mounting and namespace games (a guest has
+ * no business creating namespaces; the holder made all it needs), terminal
+ * injection (TIOCSTI, TIOCLINUX), and other ABIs on this machine (i386 entry
+ * points, x32 numbers), whose syscall numbers this table does not describe.
+ *
+ * Most calls fail with EPERM. clone3 and the new mount API fail with ENOSYS:
+ * their arguments cannot be inspected (clone3's live in memory) or libc
+ * probes them and falls back, so "not implemented" is the answer that keeps
+ * ordinary programs working (glibc's posix_spawn retries with clone).
+ *
+ * The program is generated from the table below: one comparison per entry.
+ * The same program is installed by the native driver (before each command's
+ * execve) and handed to bwrap (--seccomp), so both drivers deny the same. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sched.h>
+#include <stddef.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <termios.h>
+
+#include "sbx_seccomp.h"
+
+#if defined(__x86_64__)
+#define SBX_AUDIT_ARCH AUDIT_ARCH_X86_64
+#define SBX_X32_SYSCALL_BIT 0x40000000u
+#elif defined(__aarch64__)
+#define SBX_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#else
+#error "sandboxns's seccomp table covers x86_64 and aarch64"
+#endif
+
+#ifndef TIOCLINUX
+#define TIOCLINUX 0x541C
+#endif
+
+struct denied {
+    int nr;
+    int err;
+};
+
+static const struct denied denied[] = {
+    /* The kernel itself. */
+    {__NR_init_module, EPERM},
+    {__NR_finit_module, EPERM},
+    {__NR_delete_module, EPERM},
+    {__NR_kexec_load, EPERM},
+    {__NR_kexec_file_load, EPERM},
+    {__NR_reboot, EPERM},
+    {__NR_swapon, EPERM},
+    {__NR_swapoff, EPERM},
+    {__NR_syslog, EPERM},
+    {__NR_acct, EPERM},
+    {__NR_quotactl, EPERM},
+#ifdef __NR_quotactl_fd
+    {__NR_quotactl_fd, EPERM},
+#endif
+    {__NR_keyctl, EPERM},
+    {__NR_add_key, EPERM},
+    {__NR_request_key, EPERM},
+    {__NR_bpf, EPERM},
+    {__NR_perf_event_open, EPERM},
+    {__NR_userfaultfd, EPERM},
+    {__NR_io_uring_setup, EPERM},
+    {__NR_io_uring_enter, EPERM},
+    {__NR_io_uring_register, EPERM},
+    /* Other processes. */
+    {__NR_ptrace, EPERM},
+    {__NR_process_vm_readv, EPERM},
+    {__NR_process_vm_writev, EPERM},
+    /* Files by handle (a way around path-based confinement). */
+    {__NR_open_by_handle_at, EPERM},
+    {__NR_name_to_handle_at, EPERM},
+    /* Mounts and namespaces. */
+    {__NR_mount, EPERM},
+    {__NR_umount2, EPERM},
+    {__NR_pivot_root, EPERM},
+    {__NR_unshare, EPERM},
+    {__NR_setns, EPERM},
+    {__NR_clone3, ENOSYS},
+    {__NR_open_tree, ENOSYS},
+    {__NR_move_mount, ENOSYS},
+    {__NR_fsopen, ENOSYS},
+    {__NR_fsconfig, ENOSYS},
+    {__NR_fsmount, ENOSYS},
+    {__NR_fspick, ENOSYS},
+#ifdef __NR_mount_setattr
+    {__NR_mount_setattr, ENOSYS},
+#endif
+};
+
+#define NS_FLAGS                                                                              \
+    (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | \
+     CLONE_NEWCGROUP)
+
+#define LOAD(field) BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, field))
+/* The low 32 bits of argument n (little-endian on both architectures). */
+#define LOAD_ARG_LOW(n) BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[n]))
+#define RETURN(value) BPF_STMT(BPF_RET | BPF_K, (value))
+#define DENY(err) RETURN(SECCOMP_RET_ERRNO | ((err) & SECCOMP_RET_DATA))
+
+size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity)
+{
+    struct sock_filter program[SBX_SECCOMP_MAX_INSNS];
+    size_t n = 0;
+
+#define EMIT(insn) (program[n++] = (struct sock_filter)insn)
+    /* Another ABI: numbers in this table mean nothing there. */
+    EMIT(LOAD(arch));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SBX_AUDIT_ARCH, 1, 0));
+    EMIT(DENY(EPERM));
+    EMIT(LOAD(nr));
+#ifdef SBX_X32_SYSCALL_BIT
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, SBX_X32_SYSCALL_BIT, 0, 1));
+    EMIT(DENY(EPERM));
+#endif
+    for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)denied[i].nr, 0, 1));
+        EMIT(DENY(denied[i].err));
+    }
+    /* clone with any namespace flag (its flags are argument 0 on both). */
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 0, 3));
+    EMIT(LOAD_ARG_LOW(0));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NS_FLAGS, 0, 1));
+    EMIT(DENY(EPERM));
+    /* ioctl TIOCSTI / TIOCLINUX, compared on the low 32 bits the kernel
+     * uses, so a request with high bits set cannot slip past. */
+    EMIT(LOAD(nr));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_ioctl, 0, 4));
+    EMIT(LOAD_ARG_LOW(1));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCSTI, 1, 0));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCLINUX, 0, 1));
+    EMIT(DENY(EPERM));
+    /* personality: only querying it or asking for plain Linux. */
+    EMIT(LOAD(nr));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_personality, 0, 4));
+    EMIT(LOAD_ARG_LOW(0));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
+    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0xffffffffu, 1, 0));
+    EMIT(DENY(EPERM));
+    EMIT(RETURN(SECCOMP_RET_ALLOW));
+#undef EMIT
+    if (n > capacity)
+        return 0;
+    memcpy(out, program, n * sizeof program[0]);
+    return n;
+}
+
+int sbx_seccomp_export(unsigned char *out, size_t size)
+{
+    struct sock_filter program[SBX_SECCOMP_MAX_INSNS];
+    size_t n = sbx_seccomp_program(program, SBX_SECCOMP_MAX_INSNS);
+
+    if (n == 0 || n * sizeof program[0] > size)
+        return -ENOSPC;
+    memcpy(out, program, n * sizeof program[0]);
+    return (int)(n * sizeof program[0]);
+}

@@ -1,0 +1,86 @@
+"""The seccomp filter, seen from inside: each denied call fails with the
+errno the filter gives (EPERM, or ENOSYS where libc falls back), not with the
+EFAULT/EINVAL/EBADF its zeroed arguments would otherwise earn."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import pytest
+
+pytestmark = [
+    pytest.mark.smoke,
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the numbers below are x86_64's"),
+]
+
+EPERM_CALLS = {
+    "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
+    "reboot": 169, "swapon": 167, "swapoff": 168, "syslog": 103, "acct": 163, "quotactl": 179, "keyctl": 250,
+    "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "ptrace": 101,
+    "process_vm_readv": 310, "process_vm_writev": 311, "open_by_handle_at": 304, "name_to_handle_at": 303,
+    "mount": 165, "umount2": 166, "pivot_root": 155, "unshare": 272, "setns": 308,
+}  # fmt: skip
+ENOSYS_CALLS = {
+    "clone3": 435, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442,
+}  # fmt: skip
+CLONE, IOCTL, PERSONALITY, GETPID = 56, 16, 135, 39
+CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+
+# Runs in the guest: {label: errno (0 if the call succeeded)} as JSON.
+PROBE = """
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def attempt(nr, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(nr), *(ctypes.c_ulong(a) for a in args))
+    return ctypes.get_errno() if result == -1 else 0
+calls = json.loads(sys.argv[1])
+print(json.dumps({label: attempt(*spec) for label, spec in calls.items()}))
+"""
+
+
+async def probe(session, calls: dict[str, list[int]]) -> dict[str, int]:
+    result = await session.run("python3", ["-c", PROBE, json.dumps(calls)])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+async def test_denied_syscalls_fail_with_the_filters_errno(session):
+    calls = {name: [nr, 0, 0, 0, 0, 0] for name, nr in {**EPERM_CALLS, **ENOSYS_CALLS}.items()}
+    errors = await probe(session, calls)
+    assert {name: errors[name] for name in EPERM_CALLS} == dict.fromkeys(EPERM_CALLS, 1)
+    assert {name: errors[name] for name in ENOSYS_CALLS} == dict.fromkeys(ENOSYS_CALLS, 38)
+
+
+async def test_namespace_clones_terminal_injection_and_other_abis_are_denied(session):
+    errors = await probe(
+        session,
+        {
+            "clone_newuser": [CLONE, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0],
+            "clone_newnet": [CLONE, CLONE_NEWNET | SIGCHLD, 0, 0, 0, 0],
+            "tiocsti": [IOCTL, 0, TIOCSTI, 0],
+            "tiocsti_high_bits": [IOCTL, 0, (1 << 32) | TIOCSTI, 0],
+            "tioclinux": [IOCTL, 0, TIOCLINUX, 0],
+            "x32_getpid": [0x40000000 | GETPID],
+            "personality_linux32": [PERSONALITY, 0x0008],
+            "personality_query": [PERSONALITY, 0xFFFFFFFF],
+            "getpid": [GETPID],
+        },
+    )
+    assert errors == {
+        "clone_newuser": 1, "clone_newnet": 1, "tiocsti": 1, "tiocsti_high_bits": 1, "tioclinux": 1,
+        "x32_getpid": 1, "personality_linux32": 1, "personality_query": 0, "getpid": 0,
+    }  # fmt: skip
+
+
+async def test_ordinary_programs_still_work(session):
+    # glibc's posix_spawn tries clone3 first and falls back on ENOSYS.
+    script = "import subprocess, threading; t = threading.Thread(target=print); t.start(); t.join(); "
+    script += "print(subprocess.run(['sh', '-c', 'echo spawned'], capture_output=True).stdout.decode())"
+    result = await session.run("python3", ["-c", script])
+    assert (result.exit_code, result.stdout.split()) == (0, ["spawned"]), result.stderr
