@@ -27,6 +27,12 @@
 /* Upper bound on the strings of one request (cwd + argv + env). */
 #define SBX_MAX_REQUEST_STRINGS (128 * 1024)
 
+/* Each command's /tmp and /dev/shm are tmpfs of at most this many bytes
+ * (memory, shared by everything on the host): a guest that fills them gets
+ * ENOSPC instead of eating the host's RAM. */
+#define SBX_TMP_BYTES (256u << 20)
+#define SBX_SHM_BYTES (64u << 20)
+
 enum sbx_request_fd {
     SBX_FD_REPLY = 0,
     SBX_FD_STDIN = 1,

@@ -38,6 +38,7 @@
 #define COMMAND_REPORT_FD 3
 #define DEFAULT_PATH "/usr/local/bin:/usr/bin:/bin"
 
+
 static volatile sig_atomic_t command_pid;
 
 static void forward_signal(int sig)
@@ -195,6 +196,15 @@ static int mount_private_fs(const char *fstype, const char *target, unsigned lon
     return 0;
 }
 
+/* An empty, size-bounded tmpfs for the command alone. */
+static int mount_scratch(const char *target, unsigned long flags, unsigned bytes, struct sbx_report *err)
+{
+    char options[64];
+
+    snprintf(options, sizeof options, "mode=1777,size=%u", bytes);
+    return mount_private_fs("tmpfs", target, flags, options, err);
+}
+
 /* Parse one request into plan; strings point into buf. */
 static int parse_request(char *buf, size_t len, struct exec_plan *plan, char **vectors,
                          size_t max_vectors, struct sbx_report *err)
@@ -273,9 +283,8 @@ static void __attribute__((noreturn)) run_init(int request_fd)
     else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
         setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
                             strerror(errno));
-    else if (mount_private_fs("tmpfs", "/tmp", MS_NOSUID | MS_NODEV, "mode=1777", &err) < 0 ||
-             mount_private_fs("tmpfs", "/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777",
-                              &err) < 0 ||
+    else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, SBX_TMP_BYTES, &err) < 0 ||
+             mount_scratch("/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
              mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0)
         setup_failed = 1;
     sigemptyset(&forward.sa_mask);

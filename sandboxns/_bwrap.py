@@ -128,8 +128,8 @@ def _plan(
         "--bind", str(workspace), WORKSPACE,
         "--proc", "/proc",
         "--dev", "/dev",
-        "--perms", "1777", "--tmpfs", "/dev/shm",
-        "--perms", "1777", "--tmpfs", "/tmp",
+        "--perms", "1777", "--size", str(_ffi.SHM_BYTES), "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--size", str(_ffi.TMP_BYTES), "--tmpfs", "/tmp",
         "--dir", "/run",
     ]  # fmt: skip
     for mount in mounts:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from ._sbx import ffi, lib
 
 MAX_REQUEST_STRINGS: int = lib.SBX_MAX_REQUEST_STRINGS
+TMP_BYTES: int = lib.SBX_TMP_BYTES
+SHM_BYTES: int = lib.SBX_SHM_BYTES
 REPORT_SIZE: int = ffi.sizeof("struct sbx_report")
 FD_ORDER = ("reply", "stdin", "stdout", "stderr")
 assert len(FD_ORDER) == lib.SBX_NFDS
