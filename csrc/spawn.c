@@ -196,6 +196,17 @@ static int mount_private_fs(const char *fstype, const char *target, unsigned lon
     return 0;
 }
 
+/* The session's user namespace owns its UTS, IPC and network namespaces, so
+ * their sysctls (hostname, ipc limits, net.*) appear writable by the guest
+ * user: a bind of /proc/sys over itself, read-only, keeps them as set up. */
+static int make_read_only(const char *path, struct sbx_report *err)
+{
+    if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0 ||
+        mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        return fail(err, "mount", errno, "cannot make %s read-only: %s", path, strerror(errno));
+    return 0;
+}
+
 /* An empty, size-bounded tmpfs for the command alone. */
 static int mount_scratch(const char *target, unsigned long flags, unsigned bytes, struct sbx_report *err)
 {
@@ -285,7 +296,8 @@ static void __attribute__((noreturn)) run_init(int request_fd)
                             strerror(errno));
     else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, SBX_TMP_BYTES, &err) < 0 ||
              mount_scratch("/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
-             mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0)
+             mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
+             make_read_only("/proc/sys", &err) < 0)
         setup_failed = 1;
     sigemptyset(&forward.sa_mask);
     sigaction(SIGTERM, &forward, NULL);

@@ -127,10 +127,14 @@ def _plan(
     plan += [
         "--bind", str(workspace), WORKSPACE,
         "--proc", "/proc",
+        # bwrap covers /proc/sys only when the directory itself is writable;
+        # the sysctls of the guest's own namespaces inside it are.
+        "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
         "--perms", "1777", "--size", str(_ffi.SHM_BYTES), "--tmpfs", "/dev/shm",
         "--perms", "1777", "--size", str(_ffi.TMP_BYTES), "--tmpfs", "/tmp",
         "--dir", "/run",
+        "--remount-ro", "/dev",  # bwrap's /dev is a tmpfs the guest could write to
     ]  # fmt: skip
     for mount in mounts:
         plan += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.guest]
