@@ -14,6 +14,7 @@ import trio
 from conftest import refused
 
 from sandboxns import ErrorCode, SandboxError, adapters
+from sandboxns._backend import remove_tree
 
 pytestmark = [pytest.mark.smoke, pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")]
 
@@ -233,7 +234,10 @@ async def test_cleanup_removes_trees_nested_deeper_than_any_path(tmp_path):
         "    os.mkdir('d', dir_fd=fd)\n    parent, fd = fd, os.open('d', os.O_DIRECTORY, dir_fd=fd)\n"
         "    os.close(parent)\n"
     )
-    done = await run(sandbox.wrap(["python3", "-c", nest], id="deep"))
-    assert done.returncode == 0, done.stderr
-    assert (await sandbox.cleanup("deep"))["removed"] is True
-    assert not os.path.exists(workspace["host_path"])
+    try:
+        done = await run(sandbox.wrap(["python3", "-c", nest], id="deep"))
+        assert done.returncode == 0, done.stderr
+        assert (await sandbox.cleanup("deep"))["removed"] is True
+        assert not os.path.exists(workspace["host_path"])
+    finally:  # pytest's own clean-up of old runs would trip over it
+        remove_tree(Path(workspace["host_path"]))
