@@ -138,3 +138,27 @@ async def test_two_sessions_see_nothing_of_each_other(driver_name, tmp_path):
         seen = await sh(b, "ls -A /workspace /tmp; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
         nursery.cancel_scope.cancel()
     assert "mine" not in seen.stdout and "running" not in seen.stdout and marker not in seen.stdout, seen
+
+
+async def test_no_process_more_privileged_than_the_guest_is_open_to_it(session):
+    # /proc/PID/mem gives a process's memory, so code execution as it: the
+    # guest may reach only processes with no more privilege than its own
+    # (the native init keeps capabilities in the session's namespace and is
+    # closed to it; bwrap's init has none).
+    script = (
+        "import os\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    if int(pid) == os.getpid():\n"
+        "        continue\n"
+        "    try:\n"
+        "        with open(f'/proc/{pid}/mem', 'r+b'):\n"
+        "            pass\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    caps = open(f'/proc/{pid}/status').read().split('CapEff:')[1].split()[0]\n"
+        "    print(pid, caps)\n"
+    )
+    result = await session.run("python3", ["-c", script])
+    assert result.exit_code == 0, result.stderr
+    opened = dict(line.split() for line in result.stdout.splitlines())
+    assert all(int(caps, 16) == 0 for caps in opened.values()), opened
