@@ -21,7 +21,6 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -41,7 +40,7 @@ from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._lease import Lease, is_locked
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
-from ._session import Session, create_sandbox_session
+from ._session import Session, check_seconds, create_sandbox_session
 from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
 
 logger = logging.getLogger("sandboxns")
@@ -373,13 +372,8 @@ class Backend:
             self._refuse_state_overlap(Path(mount.host), "mount")
         if extra and state is not None:
             raise _invalid("mounts are given when a session is created; a resumed session keeps its own")
-        if idle_timeout is not None and (
-            isinstance(idle_timeout, bool)
-            or not isinstance(idle_timeout, (int, float))
-            or not math.isfinite(idle_timeout)
-            or idle_timeout <= 0
-        ):
-            raise _invalid(f"idle_timeout must be a positive number of seconds or None, not {idle_timeout!r}")
+        if idle_timeout is not None:
+            idle_timeout = check_seconds(idle_timeout, "idle_timeout")
         if not isinstance(destroy_on_close, bool):
             raise _invalid(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
         if state is not None:
@@ -395,7 +389,7 @@ class Backend:
         handle.destroy_on_close = destroy_on_close
         handle.session.touch()  # a pooled session may have waited a long time
         if idle_timeout is not None:
-            await self._nursery.start(handle._watch_idleness, float(idle_timeout))
+            await self._nursery.start(handle._watch_idleness, idle_timeout)
         return handle
 
     async def _create_from_template(self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...]) -> SessionHandle:

@@ -17,7 +17,7 @@ from ._backend import default_state_directory, open_backend, stored_session_stat
 from ._errors import ErrorCode, SandboxError
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
-from ._session import DEFAULT_ENV, DEFAULT_TIMEOUT, Session, check_command
+from ._session import DEFAULT_TIMEOUT, Session, check_command
 from ._spec import SandboxSpec
 
 # Exit statuses of `sandboxns run` itself, as coreutils' timeout and env use them.
@@ -68,11 +68,10 @@ def _command(args: argparse.Namespace, usage: str) -> list[str]:
     return command
 
 
-async def _run_forwarding(session: Session, args: argparse.Namespace, command: list[str], base_env) -> int:
+async def _run_forwarding(session: Session, args: argparse.Namespace, command: list[str]) -> int:
     """Run the command with our stdio, the way a shell would; returns our
     exit status."""
-    env = dict(base_env)
-    env.update(_parse_env(args.env))
+    env = {**session.environment, **_parse_env(args.env)}
     timeout = session.timeout if args.timeout is None else args.timeout
     argv, env, cwd, timeout = check_command(command[0], command[1:], env, args.cwd, timeout)
     # The guest may read our input only when it is a pipe or file: a terminal
@@ -103,7 +102,7 @@ async def _run(args: argparse.Namespace) -> int:
         async with open_sandbox(
             workspace, driver=args.driver or "native", network=args.network or "deny-all"
         ) as session:
-            return await _run_forwarding(session, args, command, DEFAULT_ENV)
+            return await _run_forwarding(session, args, command)
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -127,7 +126,7 @@ async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
     spec = _load_valid_spec(args.spec)
     state = args.state_dir or default_state_directory()
     async with spec.build(state_directory=state) as sandbox:
-        status = await _run_forwarding(sandbox.session, args, command, sandbox.session.environment)
+        status = await _run_forwarding(sandbox.session, args, command)
         if not sandbox.handle.destroy_on_close:
             print(
                 f"sandboxns: session {sandbox.handle.session_id} kept (lifecycle.destroy_on_close is false); "
@@ -147,16 +146,9 @@ async def _exec(args: argparse.Namespace) -> int:
         network = spec.network_policy() if spec is not None else args.network or "deny-all"
         handle = await backend.create(state=state, template=state["template"], network=network)
         try:
-            base_env = DEFAULT_ENV
             if spec is not None:
-                limits = spec.limits
-                base_env = spec.environment()
-                handle.session.configure(
-                    timeout=limits.timeout,
-                    max_output_bytes=limits.max_output_bytes,
-                    max_file_bytes=limits.max_file_bytes,
-                )
-            return await _run_forwarding(handle.session, args, command, base_env)
+                spec.configure_session(handle.session)
+            return await _run_forwarding(handle.session, args, command)
         finally:
             await handle.shutdown()
 

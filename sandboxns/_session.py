@@ -87,9 +87,10 @@ def _check_env(env: object) -> dict[str, str]:
     return checked
 
 
-def _check_timeout(value: object) -> float:
+def check_seconds(value: object, what: str = "timeout") -> float:
+    """A positive, finite number of seconds, or SANDBOX_INVALID_ARGUMENT."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _invalid(f"timeout must be a positive number of seconds, not {value!r}")
+        raise _invalid(f"{what} must be a positive number of seconds, not {value!r}")
     return float(value)
 
 
@@ -113,7 +114,7 @@ def check_command(
         raise SandboxError(
             ErrorCode.SANDBOX_LIMIT, f"arguments and environment take {size} bytes; the limit is {MAX_COMMAND_BYTES}"
         )
-    return argv, checked_env, guest_cwd, _check_timeout(timeout)
+    return argv, checked_env, guest_cwd, check_seconds(timeout)
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class Session:
         one read or write may move. Everything is checked before anything
         changes."""
         checked_env = None if environment is None else _check_env(environment)
-        checked_timeout = None if timeout is None else _check_timeout(timeout)
+        checked_timeout = None if timeout is None else check_seconds(timeout)
         for name, value, most in (
             ("max_output_bytes", max_output_bytes, MAX_OUTPUT_BYTES_LIMIT),
             ("max_file_bytes", max_file_bytes, MAX_FILE_BYTES_LIMIT),

@@ -220,18 +220,21 @@ class SandboxSpec:
 
     def validate(self) -> list[SpecProblem]:
         """Every problem with the spec (empty when it is valid)."""
+        return self._examine()[0]
+
+    def _examine(self) -> tuple[list[SpecProblem], _Resolved | None]:
         if self._load_problem:
-            return [SpecProblem("", self._load_problem)]
+            return [SpecProblem("", self._load_problem)], None
         if not isinstance(self.document, Mapping):
-            return [SpecProblem("", f"a spec must be a table of fields, not {_kind(self.document)}")]
-        return _check(self.document, self.base)[0]
+            return [SpecProblem("", f"a spec must be a table of fields, not {_kind(self.document)}")], None
+        return _check(self.document, self.base)
 
     def _checked(self) -> _Resolved:
-        problems = self.validate()
+        problems, resolved = self._examine()
         if problems:
             listing = "; ".join(map(str, problems))
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"invalid sandbox spec {self.source}: {listing}")
-        return _check(self.document, self.base)[1]
+        return resolved
 
     @property
     def id(self) -> str:
@@ -316,7 +319,7 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
-        environment = self.environment(host_env)
+        environment = self.environment(host_env)  # refused before anything is created
         network = self.network_policy(host_env)
         lifecycle = {"idle_timeout": resolved.idle_timeout, "destroy_on_close": resolved.destroy_on_close}
         if resolved.workspace is not None:
@@ -325,16 +328,25 @@ class SandboxSpec:
             template = await backend.prewarm(template=resolved.id, files=self.template_files() or {})
             handle = await backend.create(template=template.template_key, network=network, **lifecycle)
         try:
-            handle.session.configure(
-                environment=environment,
-                timeout=resolved.limits.timeout,
-                max_output_bytes=resolved.limits.max_output_bytes,
-                max_file_bytes=resolved.limits.max_file_bytes,
-            )
+            _configure(handle.session, resolved.limits, environment)
         except BaseException:
             await handle.delete()  # nobody has seen it yet
             raise
         return handle
+
+    def configure_session(self, session: Session, *, host_env: Mapping[str, str] | None = None) -> None:
+        """Give ``session`` the spec's command environment and limits: for
+        a session of this spec resumed elsewhere (``sandboxns exec --spec``)."""
+        _configure(session, self._checked().limits, self.environment(host_env))
+
+
+def _configure(session: Session, limits: SpecLimits, environment: Mapping[str, str]) -> None:
+    session.configure(
+        environment=environment,
+        timeout=limits.timeout,
+        max_output_bytes=limits.max_output_bytes,
+        max_file_bytes=limits.max_file_bytes,
+    )
 
 
 @dataclass(frozen=True)

@@ -216,14 +216,11 @@ class _TaskSandboxes:
     async def stop(self, id: str) -> None:
         """Kill whatever runs in the task's sandbox (the wrapped command
         then exits with 125). Nothing to do if nothing runs."""
-        session_id = self._session_id(id)
-        if session_id is None:
-            return
-        session_dir = self.state_directory / "sessions" / session_id
-        if session_dir.is_dir() and lease_status(session_dir).locked:
-            await clear_lease(session_dir, force=True)
+        if self._in_use(id):
+            await clear_lease(self.state_directory / "sessions" / self._session_id(id), force=True)
 
     def _in_use(self, task_id: str) -> bool:
+        """Whether someone (a wrapped command) holds the task's session."""
         session_id = self._session_id(task_id)
         session_dir = self.state_directory / "sessions" / str(session_id)
         return session_id is not None and session_dir.is_dir() and lease_status(session_dir).locked

@@ -177,6 +177,9 @@ async def test_stop_kills_a_running_command(repo, tmp_path):
         )
         nursery.cancel_scope.deadline = trio.current_time() + 20
         assert await process.stdout.receive_some(100) == b"started\n"
+        # The running command holds the session's lease: another waits its turn.
+        second = await run(sandbox.wrap(["true"], id="long"))
+        assert second.returncode == 125 and b"is in use by process" in second.stderr, second.stderr
         await sandbox.stop("long")
         assert await process.wait() == 125
     assert not nursery.cancel_scope.cancelled_caught

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from conftest import refused
 
-from sandboxns import ErrorCode
+from sandboxns import ErrorCode, SandboxSpec
 
 pytestmark = pytest.mark.smoke
 
@@ -127,3 +127,13 @@ async def test_a_stop_during_a_network_change_waits_for_it(backend, template):
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(handle.stop)
     assert not handle.live
+
+
+async def test_a_specs_lifecycle_reaches_its_session(clock, tmp_path):
+    spec = SandboxSpec.from_dict({"id": "idle", "lifecycle": {"idle_timeout": IDLE, "destroy_on_close": True}})
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        directory = sandbox.backend.state_directory / "sessions" / sandbox.handle.session_id
+        started = trio.current_time()
+        await sandbox.handle.wait_closed()
+        assert trio.current_time() - started == pytest.approx(IDLE, abs=1)
+        assert not directory.exists()
