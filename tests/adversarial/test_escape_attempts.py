@@ -4,6 +4,7 @@ host then sees)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -49,11 +50,24 @@ async def test_only_the_expected_devices_exist(session):
     assert not {"sda", "mem", "kmem", "port", "kmsg"} & devices
 
 
-async def started(session, workspace, nursery, script: str) -> None:
-    """Start ``script`` in the session and return once it has begun."""
-    ready = workspace / f"ready-{sleep_marker()}"
+async def start_waiting_guest(session, workspace, nursery, marker: str, setup: str = "") -> None:
+    """Start a long-running guest process whose command line carries marker,
+    after the shell commands in setup, and return once that process itself
+    runs: it signals through a FIFO after its exec, so the host sees it and
+    not the shell that preceded it."""
+    ready = workspace / f"ready-{marker}"
     os.mkfifo(ready)
-    nursery.start_soon(sh, session, f"echo > /workspace/{ready.name}; {script}")
+    program = 'import sys, time; open(sys.argv[1], "w").close(); time.sleep(10**6)'
+
+    async def run_guest() -> None:
+        result = await sh(session, f"{setup} exec python3 -c '{program}' /workspace/{ready.name} {marker}")
+        # Only reached when the guest ended early: release the host's read
+        # rather than leave it blocked, and fail with what the guest said.
+        with contextlib.suppress(OSError):
+            os.close(os.open(ready, os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError(f"the waiting guest ended early: {result}")
+
+    nursery.start_soon(run_guest)
     await trio.to_thread.run_sync(ready.read_bytes)
 
 
@@ -61,9 +75,9 @@ async def test_host_view_of_a_guest_process(session, workspace):
     # From the host: no new privileges and no capabilities at all.
     marker = sleep_marker()
     async with trio.open_nursery() as nursery:
-        await started(session, workspace, nursery, f"exec sleep {marker}")
+        await start_waiting_guest(session, workspace, nursery, marker)
         # The command itself (bwrap's own processes carry the marker too).
-        [pid] = [p for p in host_processes_with(marker) if _cmdline(p).startswith(b"sleep\0")]
+        [pid] = [p for p in host_processes_with(marker) if _cmdline(p).startswith(b"python3\0")]
         status = _status(pid)
         nursery.cancel_scope.cancel()
     assert status["NoNewPrivs"] == "1"
@@ -134,7 +148,7 @@ async def test_two_sessions_see_nothing_of_each_other(driver_name, tmp_path):
         trio.open_nursery() as nursery,
     ):
         await sh(a, "echo secret-a > /workspace/mine; echo a > /tmp/mine")
-        await started(a, tmp_path / "a", nursery, f"echo a > /tmp/running; exec sleep {marker}")
+        await start_waiting_guest(a, tmp_path / "a", nursery, marker, setup="echo a > /tmp/running;")
         seen = await sh(b, "ls -A /workspace /tmp; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
         nursery.cancel_scope.cancel()
     assert "mine" not in seen.stdout and "running" not in seen.stdout and marker not in seen.stdout, seen
