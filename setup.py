@@ -17,6 +17,7 @@ HOLDER_SOURCES = [
     "csrc/report.c",
     "csrc/fds.c",
     "csrc/seccomp.c",
+    "csrc/limits.c",
 ]
 HOLDER_NAME = "sandboxns-holder"
 HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]

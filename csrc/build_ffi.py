@@ -4,11 +4,30 @@ The cdef declares only the narrow boundary: the holder launcher and the wire
 structs, whose layouts and constants come from the compiler (``...``).
 """
 
+import re
+import subprocess
+import sysconfig
+
 from cffi import FFI
 
 # Relative to the project root, where setup.py runs.
 CSRC = "csrc"
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
+
+
+def syscall_names() -> list[str]:
+    """Every syscall this machine's headers number, as the compiler's
+    preprocessor defines them: Python resolves names given to the seccomp
+    option through these constants rather than a table of its own."""
+    compiler = sysconfig.get_config_var("CC") or "cc"
+    macros = subprocess.run(
+        [*compiler.split(), "-dM", "-E", "-include", "sys/syscall.h", "-x", "c", "/dev/null"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return sorted(set(re.findall(r"^#define __NR_(\w+) ", macros, re.MULTILINE)))
+
 
 ffibuilder = FFI()
 ffibuilder.cdef(
@@ -17,6 +36,9 @@ ffibuilder.cdef(
     #define SBX_MAX_REQUEST_STRINGS ...
     #define SBX_TMP_BYTES ...
     #define SBX_SHM_BYTES ...
+    enum sbx_rlimit_index { SBX_RLIMIT_CPU, SBX_RLIMIT_AS, SBX_RLIMIT_FSIZE, SBX_RLIMIT_NOFILE, SBX_RLIMIT_NPROC,
+                            SBX_NRLIMITS };
+    #define SBX_RLIMIT_INHERIT ...
     enum sbx_request_fd { SBX_FD_REPLY, SBX_FD_STDIN, SBX_FD_STDOUT, SBX_FD_STDERR, SBX_NFDS };
     enum sbx_report_kind { SBX_REPORT_READY, SBX_REPORT_ERROR, SBX_REPORT_EXITED, SBX_REPORT_STARTED };
 
@@ -25,6 +47,7 @@ ffibuilder.cdef(
         uint32_t argc;
         uint32_t envc;
         uint32_t strings_len;
+        uint64_t rlimits[...];
         ...;
     };
     struct sbx_report {
@@ -50,12 +73,20 @@ ffibuilder.cdef(
     int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
 
     #define SBX_SECCOMP_MAX_INSNS ...
-    int sbx_seccomp_export(unsigned char *out, size_t size);
+    #define SBX_SECCOMP_MAX_EXTRA ...
+    enum sbx_seccomp_group {
+        SBX_SECCOMP_KERNEL, SBX_SECCOMP_KEYRING, SBX_SECCOMP_BPF, SBX_SECCOMP_PERF, SBX_SECCOMP_USERFAULTFD,
+        SBX_SECCOMP_IO_URING, SBX_SECCOMP_PTRACE, SBX_SECCOMP_FILE_HANDLES, SBX_SECCOMP_MOUNT,
+        SBX_SECCOMP_NAMESPACES, SBX_SECCOMP_PERSONALITY, SBX_SECCOMP_TTY_INJECTION
+    };
+    int sbx_seccomp_export(unsigned char *out, size_t size, uint32_t relaxed, const uint32_t *extra_denied,
+                           size_t nextra_denied);
     """
+    + "".join(f"#define __NR_{name} ...\n" for name in syscall_names())
 )
 ffibuilder.set_source(
     "sandboxns._sbx",
-    '#include <linux/openat2.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
+    '#include <linux/openat2.h>\n#include <sys/syscall.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
     sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c", f"{CSRC}/seccomp.c"],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,

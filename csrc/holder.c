@@ -12,6 +12,9 @@
  *      lo (net.c), and reports READY on the control socket;
  *   4. serves command requests (serve.c, spawn.c) until the control socket
  *      closes, at which point pid 1 exits and the kernel kills the session.
+ *
+ * `sandboxns-holder --exec ...` is another program in the same file: the
+ * bwrap driver's first step inside bwrap's sandbox (limits.c).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -27,16 +30,51 @@
 
 #include "holder.h"
 
-static int parse_id(const char *text, unsigned int *out)
+static int parse_number(const char *text, unsigned long long most, unsigned long long *out)
 {
     char *end;
-    unsigned long value;
+    unsigned long long value;
 
     errno = 0;
-    value = strtoul(text, &end, 10);
-    if (errno || *end || end == text || value > 0xfffffffeUL)
+    value = strtoull(text, &end, 10);
+    if (errno || *end || end == text || *text == '-' || value > most)
+        return -1;
+    *out = value;
+    return 0;
+}
+
+static int parse_id(const char *text, unsigned int *out)
+{
+    unsigned long long value;
+
+    if (parse_number(text, 0xfffffffeULL, &value) < 0)
         return -1;
     *out = (unsigned int)value;
+    return 0;
+}
+
+static int parse_seccomp_denial(const char *text, struct holder_config *cfg, struct sbx_report *err)
+{
+    unsigned long long nr;
+
+    if (cfg->nseccomp_denied == SBX_SECCOMP_MAX_EXTRA)
+        return fail(err, "arguments", E2BIG, "more than %d --seccomp-deny options", SBX_SECCOMP_MAX_EXTRA);
+    if (parse_number(text, 0xffffffffULL, &nr) < 0)
+        return fail(err, "arguments", EINVAL, "bad --seccomp-deny %s (want a syscall number)", text);
+    cfg->seccomp_denied[cfg->nseccomp_denied++] = (uint32_t)nr;
+    return 0;
+}
+
+/* The filter every command of this session gets, compiled once. */
+static int compile_seccomp(struct holder_config *cfg, struct sbx_report *err)
+{
+    struct sbx_seccomp_options options = {
+        .relaxed = cfg->seccomp_relaxed, .extra_denied = cfg->seccomp_denied, .nextra_denied = cfg->nseccomp_denied};
+    size_t len = sbx_seccomp_program(cfg->commands.seccomp, SBX_SECCOMP_MAX_INSNS, &options);
+
+    if (len == 0)
+        return fail(err, "seccomp", E2BIG, "the seccomp program does not fit");
+    cfg->commands.seccomp_len = (unsigned short)len;
     return 0;
 }
 
@@ -69,11 +107,15 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
         {"share-network", no_argument, NULL, 'n'},   {"overlay-lower", required_argument, NULL, 'l'},
         {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
-        {"bind", required_argument, NULL, 'b'},      {NULL, 0, NULL, 0},
+        {"bind", required_argument, NULL, 'b'},      {"tmp-bytes", required_argument, NULL, 't'},
+        {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
+        {NULL, 0, NULL, 0},
     };
+    unsigned long long number;
     int opt;
 
     cfg->inner_uid = cfg->inner_gid = 1000;
+    cfg->commands.tmp_bytes = SBX_TMP_BYTES;
     cfg->hostname = "sandbox";
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
         switch (opt) {
@@ -105,6 +147,20 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             break;
         case 'b':
             if (parse_bind(optarg, cfg, err) < 0)
+                return -1;
+            break;
+        case 't':
+            if (parse_number(optarg, ~0ULL, &number) < 0 || number == 0)
+                return fail(err, "arguments", EINVAL, "bad --tmp-bytes %s", optarg);
+            cfg->commands.tmp_bytes = number;
+            break;
+        case 'r':
+            if (parse_number(optarg, 0xffffffffULL, &number) < 0)
+                return fail(err, "arguments", EINVAL, "bad --seccomp-relax %s", optarg);
+            cfg->seccomp_relaxed = (uint32_t)number;
+            break;
+        case 'd':
+            if (parse_seccomp_denial(optarg, cfg, err) < 0)
                 return -1;
             break;
         default:
@@ -169,8 +225,10 @@ int main(int argc, char **argv)
     int workspace;
     pid_t host = getppid();
 
+    if (argc > 1 && strcmp(argv[1], "--exec") == 0)
+        return limits_exec_main(argc, argv);
     reset_signals();
-    if (parse_args(argc, argv, &cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
+    if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
         userns_forbid_nesting(&err) < 0)
         goto report;
     holder = fork();
@@ -209,7 +267,7 @@ int main(int argc, char **argv)
     }
     report_send_with_fd(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY}, workspace);
     close(workspace);
-    return holder_serve(CONTROL_FD);
+    return holder_serve(CONTROL_FD, &cfg.commands);
 report:
     report_send(CONTROL_FD, &err);
     return 1;

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include "sbx_proto.h"
+#include "sbx_seccomp.h"
 
 /* The host hands the holder its end of the control socket as this fd, and
  * optionally the session's lease file as LEASE_FD (see holder.c). */
@@ -20,6 +21,13 @@ struct extra_bind {
     int writable;
 };
 
+/* What every command of the session gets, fixed when the holder starts. */
+struct command_settings {
+    unsigned long long tmp_bytes; /* size of each command's /tmp */
+    struct sock_filter seccomp[SBX_SECCOMP_MAX_INSNS];
+    unsigned short seccomp_len;
+};
+
 struct holder_config {
     uid_t inner_uid, outer_uid;
     gid_t inner_gid, outer_gid;
@@ -31,6 +39,10 @@ struct holder_config {
     int share_network;
     struct extra_bind extra_binds[MAX_EXTRA_BINDS]; /* in order: later ones may lie inside earlier ones */
     int nextra_binds;
+    uint32_t seccomp_relaxed; /* --seccomp-relax: groups lifted */
+    uint32_t seccomp_denied[SBX_SECCOMP_MAX_EXTRA]; /* --seccomp-deny: more syscalls denied */
+    size_t nseccomp_denied;
+    struct command_settings commands;
 };
 
 /* report.c: structured errors, in the spirit of crun's sync socket. */
@@ -62,10 +74,17 @@ struct exec_plan {
     char **argv;
     char **envp;
     int fds[SBX_NFDS];
+    uint64_t rlimits[SBX_NRLIMITS];
+    const struct command_settings *settings;
 };
-pid_t spawn_idle_init(int *pidfd, int *request_fd, struct sbx_report *err);
+pid_t spawn_idle_init(const struct command_settings *settings, int *pidfd, int *request_fd,
+                      struct sbx_report *err);
 
 /* serve.c */
-int holder_serve(int control_fd);
+int holder_serve(int control_fd, const struct command_settings *settings);
+
+/* limits.c */
+int limits_apply(const uint64_t values[SBX_NRLIMITS], struct sbx_report *err);
+int limits_exec_main(int argc, char **argv);
 
 #endif

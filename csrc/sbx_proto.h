@@ -23,15 +23,28 @@
 
 #include <stdint.h>
 
-#define SBX_PROTO_VERSION 1
+#define SBX_PROTO_VERSION 2
 /* Upper bound on the strings of one request (cwd + argv + env). */
 #define SBX_MAX_REQUEST_STRINGS (128 * 1024)
 
 /* Each command's /tmp and /dev/shm are tmpfs of at most this many bytes
  * (memory, shared by everything on the host): a guest that fills them gets
- * ENOSPC instead of eating the host's RAM. */
-#define SBX_TMP_BYTES (256u << 20)
-#define SBX_SHM_BYTES (64u << 20)
+ * ENOSPC instead of eating the host's RAM. /tmp's size is a session option
+ * (--tmp-bytes); this is its default. */
+#define SBX_TMP_BYTES (256ull << 20)
+#define SBX_SHM_BYTES (64ull << 20)
+
+/* The resource limits each request carries, in this order; a value of
+ * SBX_RLIMIT_INHERIT leaves the limit as the holder has it (the host's). */
+enum sbx_rlimit_index {
+    SBX_RLIMIT_CPU = 0,    /* RLIMIT_CPU, seconds */
+    SBX_RLIMIT_AS = 1,     /* RLIMIT_AS, bytes */
+    SBX_RLIMIT_FSIZE = 2,  /* RLIMIT_FSIZE, bytes */
+    SBX_RLIMIT_NOFILE = 3, /* RLIMIT_NOFILE */
+    SBX_RLIMIT_NPROC = 4,  /* RLIMIT_NPROC */
+    SBX_NRLIMITS = 5,
+};
+#define SBX_RLIMIT_INHERIT UINT64_MAX
 
 enum sbx_request_fd {
     SBX_FD_REPLY = 0,
@@ -46,6 +59,7 @@ struct sbx_exec_request {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len;
+    uint64_t rlimits[SBX_NRLIMITS]; /* enum sbx_rlimit_index */
 };
 
 enum sbx_report_kind {

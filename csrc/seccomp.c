@@ -16,7 +16,9 @@
  *
  * The program is generated from the table below: one comparison per entry.
  * The same program is installed by the native driver (before each command's
- * execve) and handed to bwrap (--seccomp), so both drivers deny the same. */
+ * execve) and handed to bwrap (--seccomp), so both drivers deny the same.
+ * A host may lift groups of the table (a debugger needs ptrace) and deny
+ * more calls by number; the ABI checks always stay. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <linux/audit.h>
@@ -47,56 +49,57 @@
 struct denied {
     int nr;
     int err;
+    unsigned group; /* enum sbx_seccomp_group: what a host may relax */
 };
 
 static const struct denied denied[] = {
     /* The kernel itself. */
-    {__NR_init_module, EPERM},
-    {__NR_finit_module, EPERM},
-    {__NR_delete_module, EPERM},
-    {__NR_kexec_load, EPERM},
-    {__NR_kexec_file_load, EPERM},
-    {__NR_reboot, EPERM},
-    {__NR_swapon, EPERM},
-    {__NR_swapoff, EPERM},
-    {__NR_syslog, EPERM},
-    {__NR_acct, EPERM},
-    {__NR_quotactl, EPERM},
+    {__NR_init_module, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_finit_module, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_delete_module, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_kexec_load, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_kexec_file_load, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_reboot, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_swapon, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_swapoff, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_syslog, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_acct, EPERM, SBX_SECCOMP_KERNEL},
+    {__NR_quotactl, EPERM, SBX_SECCOMP_KERNEL},
 #ifdef __NR_quotactl_fd
-    {__NR_quotactl_fd, EPERM},
+    {__NR_quotactl_fd, EPERM, SBX_SECCOMP_KERNEL},
 #endif
-    {__NR_keyctl, EPERM},
-    {__NR_add_key, EPERM},
-    {__NR_request_key, EPERM},
-    {__NR_bpf, EPERM},
-    {__NR_perf_event_open, EPERM},
-    {__NR_userfaultfd, EPERM},
-    {__NR_io_uring_setup, EPERM},
-    {__NR_io_uring_enter, EPERM},
-    {__NR_io_uring_register, EPERM},
+    {__NR_keyctl, EPERM, SBX_SECCOMP_KEYRING},
+    {__NR_add_key, EPERM, SBX_SECCOMP_KEYRING},
+    {__NR_request_key, EPERM, SBX_SECCOMP_KEYRING},
+    {__NR_bpf, EPERM, SBX_SECCOMP_BPF},
+    {__NR_perf_event_open, EPERM, SBX_SECCOMP_PERF},
+    {__NR_userfaultfd, EPERM, SBX_SECCOMP_USERFAULTFD},
+    {__NR_io_uring_setup, EPERM, SBX_SECCOMP_IO_URING},
+    {__NR_io_uring_enter, EPERM, SBX_SECCOMP_IO_URING},
+    {__NR_io_uring_register, EPERM, SBX_SECCOMP_IO_URING},
     /* Other processes. */
-    {__NR_ptrace, EPERM},
-    {__NR_process_vm_readv, EPERM},
-    {__NR_process_vm_writev, EPERM},
+    {__NR_ptrace, EPERM, SBX_SECCOMP_PTRACE},
+    {__NR_process_vm_readv, EPERM, SBX_SECCOMP_PTRACE},
+    {__NR_process_vm_writev, EPERM, SBX_SECCOMP_PTRACE},
     /* Files by handle (a way around path-based confinement). */
-    {__NR_open_by_handle_at, EPERM},
-    {__NR_name_to_handle_at, EPERM},
+    {__NR_open_by_handle_at, EPERM, SBX_SECCOMP_FILE_HANDLES},
+    {__NR_name_to_handle_at, EPERM, SBX_SECCOMP_FILE_HANDLES},
     /* Mounts and namespaces. */
-    {__NR_mount, EPERM},
-    {__NR_umount2, EPERM},
-    {__NR_pivot_root, EPERM},
-    {__NR_unshare, EPERM},
-    {__NR_setns, EPERM},
-    {__NR_clone3, ENOSYS},
-    {__NR_open_tree, ENOSYS},
-    {__NR_move_mount, ENOSYS},
-    {__NR_fsopen, ENOSYS},
-    {__NR_fsconfig, ENOSYS},
-    {__NR_fsmount, ENOSYS},
-    {__NR_fspick, ENOSYS},
+    {__NR_mount, EPERM, SBX_SECCOMP_MOUNT},
+    {__NR_umount2, EPERM, SBX_SECCOMP_MOUNT},
+    {__NR_pivot_root, EPERM, SBX_SECCOMP_MOUNT},
+    {__NR_open_tree, ENOSYS, SBX_SECCOMP_MOUNT},
+    {__NR_move_mount, ENOSYS, SBX_SECCOMP_MOUNT},
+    {__NR_fsopen, ENOSYS, SBX_SECCOMP_MOUNT},
+    {__NR_fsconfig, ENOSYS, SBX_SECCOMP_MOUNT},
+    {__NR_fsmount, ENOSYS, SBX_SECCOMP_MOUNT},
+    {__NR_fspick, ENOSYS, SBX_SECCOMP_MOUNT},
 #ifdef __NR_mount_setattr
-    {__NR_mount_setattr, ENOSYS},
+    {__NR_mount_setattr, ENOSYS, SBX_SECCOMP_MOUNT},
 #endif
+    {__NR_unshare, EPERM, SBX_SECCOMP_NAMESPACES},
+    {__NR_setns, EPERM, SBX_SECCOMP_NAMESPACES},
+    {__NR_clone3, ENOSYS, SBX_SECCOMP_NAMESPACES},
 };
 
 #define NS_FLAGS                                                                              \
@@ -109,12 +112,17 @@ static const struct denied denied[] = {
 #define RETURN(value) BPF_STMT(BPF_RET | BPF_K, (value))
 #define DENY(err) RETURN(SECCOMP_RET_ERRNO | ((err) & SECCOMP_RET_DATA))
 
-size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity)
+size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity, const struct sbx_seccomp_options *options)
 {
     struct sock_filter program[SBX_SECCOMP_MAX_INSNS];
     size_t n = 0;
 
+    /* Worst case: the fixed checks, two instructions per table entry and per
+     * extra denial. */
+    if (options->nextra_denied > SBX_SECCOMP_MAX_EXTRA)
+        return 0;
 #define EMIT(insn) (program[n++] = (struct sock_filter)insn)
+#define KEPT(group) (!(options->relaxed & (group)))
     /* Another ABI: numbers in this table mean nothing there. */
     EMIT(LOAD(arch));
     EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SBX_AUDIT_ARCH, 1, 0));
@@ -124,31 +132,44 @@ size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity)
     EMIT(BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, SBX_X32_SYSCALL_BIT, 0, 1));
     EMIT(DENY(EPERM));
 #endif
+    for (size_t i = 0; i < options->nextra_denied; i++) {
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, options->extra_denied[i], 0, 1));
+        EMIT(DENY(EPERM));
+    }
     for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+        if (!KEPT(denied[i].group))
+            continue;
         EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)denied[i].nr, 0, 1));
         EMIT(DENY(denied[i].err));
     }
-    /* clone with any namespace flag (its flags are argument 0 on both). */
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 0, 3));
-    EMIT(LOAD_ARG_LOW(0));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NS_FLAGS, 0, 1));
-    EMIT(DENY(EPERM));
-    /* ioctl TIOCSTI / TIOCLINUX, compared on the low 32 bits the kernel
-     * uses, so a request with high bits set cannot slip past. */
-    EMIT(LOAD(nr));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_ioctl, 0, 4));
-    EMIT(LOAD_ARG_LOW(1));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCSTI, 1, 0));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCLINUX, 0, 1));
-    EMIT(DENY(EPERM));
-    /* personality: only querying it or asking for plain Linux. */
-    EMIT(LOAD(nr));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_personality, 0, 4));
-    EMIT(LOAD_ARG_LOW(0));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
-    EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0xffffffffu, 1, 0));
-    EMIT(DENY(EPERM));
+    if (KEPT(SBX_SECCOMP_NAMESPACES)) {
+        /* clone with any namespace flag (its flags are argument 0 on both). */
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 0, 3));
+        EMIT(LOAD_ARG_LOW(0));
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NS_FLAGS, 0, 1));
+        EMIT(DENY(EPERM));
+        EMIT(LOAD(nr));
+    }
+    if (KEPT(SBX_SECCOMP_TTY_INJECTION)) {
+        /* ioctl TIOCSTI / TIOCLINUX, compared on the low 32 bits the kernel
+         * uses, so a request with high bits set cannot slip past. */
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_ioctl, 0, 4));
+        EMIT(LOAD_ARG_LOW(1));
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCSTI, 1, 0));
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TIOCLINUX, 0, 1));
+        EMIT(DENY(EPERM));
+        EMIT(LOAD(nr));
+    }
+    if (KEPT(SBX_SECCOMP_PERSONALITY)) {
+        /* personality: only querying it or asking for plain Linux. */
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_personality, 0, 4));
+        EMIT(LOAD_ARG_LOW(0));
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
+        EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0xffffffffu, 1, 0));
+        EMIT(DENY(EPERM));
+    }
     EMIT(RETURN(SECCOMP_RET_ALLOW));
+#undef KEPT
 #undef EMIT
     if (n > capacity)
         return 0;
@@ -156,10 +177,13 @@ size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity)
     return n;
 }
 
-int sbx_seccomp_export(unsigned char *out, size_t size)
+int sbx_seccomp_export(unsigned char *out, size_t size, uint32_t relaxed, const uint32_t *extra_denied,
+                       size_t nextra_denied)
 {
     struct sock_filter program[SBX_SECCOMP_MAX_INSNS];
-    size_t n = sbx_seccomp_program(program, SBX_SECCOMP_MAX_INSNS);
+    struct sbx_seccomp_options options = {
+        .relaxed = relaxed, .extra_denied = extra_denied, .nextra_denied = nextra_denied};
+    size_t n = sbx_seccomp_program(program, SBX_SECCOMP_MAX_INSNS, &options);
 
     if (n == 0 || n * sizeof program[0] > size)
         return -ENOSPC;

@@ -38,6 +38,7 @@ struct init {
 static struct init *inits; /* every init not yet reaped */
 static struct init *idle;  /* the prepared one, if any */
 static int epoll_fd = -1;
+static const struct command_settings *settings;
 
 static int watch_fd(int fd, struct watch *watch)
 {
@@ -58,7 +59,7 @@ static int prepare_init(struct sbx_report *err)
 
     if (!init)
         return fail(err, "prepare", ENOMEM, "out of memory");
-    init->pid = spawn_idle_init(&init->pidfd, &init->request_fd, err);
+    init->pid = spawn_idle_init(settings, &init->pidfd, &init->request_fd, err);
     if (init->pid < 0) {
         free(init);
         return -1;
@@ -173,12 +174,13 @@ static void reap(struct init *init)
     free(init);
 }
 
-int holder_serve(int control_fd)
+int holder_serve(int control_fd, const struct command_settings *command_settings)
 {
     struct watch control_watch = {WATCH_CONTROL, NULL};
     struct epoll_event events[32];
     struct sbx_report ignored;
 
+    settings = command_settings;
     epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     if (epoll_fd < 0 || watch_fd(control_fd, &control_watch) < 0)
         return 1;

@@ -64,14 +64,11 @@ static int drop_capabilities(struct sbx_report *err)
     return 0;
 }
 
-static int install_seccomp(struct sbx_report *err)
+/* The session's filter, compiled once when the holder started (holder.c). */
+static int install_seccomp(const struct command_settings *settings, struct sbx_report *err)
 {
-    struct sock_filter filter[SBX_SECCOMP_MAX_INSNS];
-    struct sock_fprog program = {.filter = filter};
+    struct sock_fprog program = {.len = settings->seccomp_len, .filter = (struct sock_filter *)settings->seccomp};
 
-    program.len = (unsigned short)sbx_seccomp_program(filter, SBX_SECCOMP_MAX_INSNS);
-    if (program.len == 0)
-        return fail(err, "seccomp", E2BIG, "the seccomp program does not fit");
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) < 0)
         return fail(err, "seccomp", errno, "cannot install the seccomp filter: %s", strerror(errno));
     return 0;
@@ -147,6 +144,8 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
         fail(&err, "close_range", errno, "cannot close inherited fds: %s", strerror(errno));
         goto out_report;
     }
+    if (limits_apply(plan->rlimits, &err) < 0)
+        goto out_report;
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) {
         fail(&err, "no_new_privs", errno, "cannot set no_new_privs: %s", strerror(errno));
         goto out_report;
@@ -154,7 +153,7 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
     if (drop_capabilities(&err) < 0)
         goto out_report;
     /* Last before chdir and execve, which it must allow: see seccomp.c. */
-    if (install_seccomp(&err) < 0)
+    if (install_seccomp(plan->settings, &err) < 0)
         goto out_report;
     /* After dropping capabilities, so the guest's own permissions apply. */
     if (chdir(plan->cwd) < 0) {
@@ -208,11 +207,12 @@ static int make_read_only(const char *path, struct sbx_report *err)
 }
 
 /* An empty, size-bounded tmpfs for the command alone. */
-static int mount_scratch(const char *target, unsigned long flags, unsigned bytes, struct sbx_report *err)
+static int mount_scratch(const char *target, unsigned long flags, unsigned long long bytes,
+                         struct sbx_report *err)
 {
     char options[64];
 
-    snprintf(options, sizeof options, "mode=1777,size=%u", bytes);
+    snprintf(options, sizeof options, "mode=1777,size=%llu", bytes);
     return mount_private_fs("tmpfs", target, flags, options, err);
 }
 
@@ -258,6 +258,7 @@ static int parse_request(char *buf, size_t len, struct exec_plan *plan, char **v
     vectors[count] = NULL;
     if (strings != end)
         return fail(err, "request", EINVAL, "trailing data in request");
+    memcpy(plan->rlimits, req.rlimits, sizeof plan->rlimits);
     return 0;
 }
 
@@ -279,10 +280,10 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
 /* pid 1 of the command's pid namespace. It keeps the holder's stdio
  * (/dev/null) open so the fds it receives land above 2, where setting up the
  * command's stdio cannot clobber them. */
-static void __attribute__((noreturn)) run_init(int request_fd)
+static void __attribute__((noreturn)) run_init(const struct command_settings *settings, int request_fd)
 {
     struct sigaction forward = {.sa_handler = forward_signal};
-    struct exec_plan plan;
+    struct exec_plan plan = {.settings = settings};
     struct sbx_report err;
     int status = 0, command_status = 0, command_done = 0, setup_failed = 0;
     pid_t pid;
@@ -294,7 +295,7 @@ static void __attribute__((noreturn)) run_init(int request_fd)
     else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
         setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
                             strerror(errno));
-    else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, SBX_TMP_BYTES, &err) < 0 ||
+    else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, settings->tmp_bytes, &err) < 0 ||
              mount_scratch("/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
              mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
              make_read_only("/proc/sys", &err) < 0)
@@ -351,7 +352,8 @@ fail:
     _exit(1);
 }
 
-pid_t spawn_idle_init(int *pidfd, int *request_fd, struct sbx_report *err)
+pid_t spawn_idle_init(const struct command_settings *settings, int *pidfd, int *request_fd,
+                      struct sbx_report *err)
 {
     int pair[2];
     pid_t pid;
@@ -368,7 +370,7 @@ pid_t spawn_idle_init(int *pidfd, int *request_fd, struct sbx_report *err)
                     strerror(errno));
     }
     if (pid == 0)
-        run_init(pair[1]);
+        run_init(settings, pair[1]);
     close(pair[1]);
     *request_fd = pair[0];
     return pid;

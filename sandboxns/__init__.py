@@ -14,6 +14,7 @@ from ._coding import (
     Tool,
     create_sandbox_coding_tools,
 )
+from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
@@ -33,17 +34,20 @@ __all__ = [
     "CodingHooks",
     "CodingLimits",
     "CodingTools",
+    "Confinement",
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
     "Mount",
     "NativeDriver",
     "NetworkPolicy",
+    "ResourceLimits",
     "RunResult",
     "SandboxDriver",
     "SandboxError",
     "SandboxProcess",
     "SandboxSpec",
+    "SeccompPolicy",
     "Session",
     "SessionHandle",
     "SpecLimits",

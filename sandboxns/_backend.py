@@ -34,6 +34,7 @@ from typing import Self
 
 import trio
 
+from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
 from ._driver import Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
@@ -350,6 +351,7 @@ class Backend:
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
         mounts: Sequence[Mount] = (),
+        confinement: Confinement | None = None,
     ) -> SessionHandle:
         """Start a session: a new one from ``template`` (a key from
         :meth:`prewarm`), a new one over the host directory ``workspace``,
@@ -364,10 +366,14 @@ class Backend:
 
         ``mounts`` binds extra host paths into a new session (see
         :class:`~sandboxns.Mount`); they are stored with it and bound again
-        when it is resumed."""
+        when it is resumed. So is ``confinement``, the session's rlimits,
+        /tmp size and seccomp filter (see :class:`~sandboxns.Confinement`)."""
         self._check_open()
         policy = check_network_policy(network)
         extra = check_mounts(mounts)
+        if confinement is not None and state is not None:
+            raise _invalid("confinement is given when a session is created; a resumed session keeps its own")
+        confinement = check_confinement(confinement)
         for mount in extra:
             self._refuse_state_overlap(Path(mount.host), "mount")
         if extra and state is not None:
@@ -381,20 +387,23 @@ class Backend:
         elif workspace is not None:
             if template is not None:
                 raise _invalid("give either template= or workspace=, not both")
-            handle = await self._create_bound(workspace, policy, extra)
+            handle = await self._create_bound(workspace, policy, extra, confinement)
         elif template is None:
             raise _invalid("create() needs template=, workspace= or state=")
         else:
-            handle = await self._create_from_template(check_key(template), policy, extra)
+            handle = await self._create_from_template(check_key(template), policy, extra, confinement)
         handle.destroy_on_close = destroy_on_close
         handle.session.touch()  # a pooled session may have waited a long time
         if idle_timeout is not None:
             await self._nursery.start(handle._watch_idleness, idle_timeout)
         return handle
 
-    async def _create_from_template(self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...]) -> SessionHandle:
+    async def _create_from_template(
+        self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
+    ) -> SessionHandle:
         pool = self._pools.get(key)
-        if pool is not None and pool.ready and not mounts:
+        # Pooled sessions have no mounts and the default confinement.
+        if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT:
             handle = pool.ready.popleft()
             pool.wake.set()
             if policy != DENY_ALL:  # pooled sessions wait with no network at all
@@ -404,20 +413,30 @@ class Backend:
                     await handle.delete()
                     raise
             return handle
-        return await self._create_fresh(key, policy, mounts)
+        return await self._create_fresh(key, policy, mounts, confinement)
 
-    async def _create_fresh(self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...] = ()) -> SessionHandle:
+    async def _create_fresh(
+        self,
+        key: str,
+        policy: NetworkPolicy,
+        mounts: tuple[Mount, ...] = (),
+        confinement: Confinement = DEFAULT_CONFINEMENT,
+    ) -> SessionHandle:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
-        description = self._new_description(key, layout, mounts)
+        description = self._new_description(key, layout, mounts, confinement)
         session_dir = await self._make_session_dir(description)
         if layout == "copy":
             await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), session_dir / "workspace")
         return await self._attach(session_dir, description, policy, new=True)
 
     async def _create_bound(
-        self, workspace: str | os.PathLike[str], policy: NetworkPolicy, mounts: tuple[Mount, ...]
+        self,
+        workspace: str | os.PathLike[str],
+        policy: NetworkPolicy,
+        mounts: tuple[Mount, ...],
+        confinement: Confinement,
     ) -> SessionHandle:
         if not isinstance(workspace, (str, os.PathLike)):
             raise _invalid(f"workspace must be a path, not {type(workspace).__name__}")
@@ -425,7 +444,7 @@ class Backend:
         if not path.is_dir():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
         self._refuse_state_overlap(path, "workspace")
-        description = self._new_description(None, "bound", mounts)
+        description = self._new_description(None, "bound", mounts, confinement)
         description["workspace"] = str(path)
         session_dir = await self._make_session_dir(description)
         return await self._attach(session_dir, description, policy, new=True)
@@ -438,7 +457,9 @@ class Backend:
                 f"{what} {path} overlaps the state directory {state}; a guest must never reach it",
             )
 
-    def _new_description(self, key: str | None, layout: str, mounts: tuple[Mount, ...]) -> dict:
+    def _new_description(
+        self, key: str | None, layout: str, mounts: tuple[Mount, ...], confinement: Confinement
+    ) -> dict:
         return {
             "format": STATE_FORMAT,
             "backend": self.name,
@@ -446,6 +467,7 @@ class Backend:
             "session": secrets.token_hex(16),
             "layout": layout,
             "mounts": [{"host": m.host, "guest": m.guest, "writable": m.writable} for m in mounts],
+            "confinement": confinement.to_dict(),
         }
 
     async def _make_session_dir(self, description: dict) -> Path:
@@ -546,6 +568,7 @@ class Backend:
                     f"mount source {stored['host']} now leads to {mount.host}; refusing to bind it",
                 )
             self._refuse_state_overlap(Path(mount.host), "mount")
+        confinement = Confinement.from_dict(description.get("confinement", {}))
         overlay = None
         if layout == "overlay":
             scratch = session_dir / "overlay-work"
@@ -556,7 +579,13 @@ class Backend:
             overlay = (self._templates.files_of(description["template"]), scratch)
         try:
             return await self._driver_class.start(
-                workspace, network=policy, overlay=overlay, lease=lease, gateway_socket=gateway_socket, mounts=mounts
+                workspace,
+                network=policy,
+                overlay=overlay,
+                lease=lease,
+                gateway_socket=gateway_socket,
+                mounts=mounts,
+                confinement=confinement,
             )
         except OverlayUnavailable:
             if not new:
@@ -569,7 +598,12 @@ class Backend:
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
         return await self._driver_class.start(
-            workspace, network=policy, lease=lease, gateway_socket=gateway_socket, mounts=mounts
+            workspace,
+            network=policy,
+            lease=lease,
+            gateway_socket=gateway_socket,
+            mounts=mounts,
+            confinement=confinement,
         )
 
     def audit_records(self, buffer: int = 1000):

@@ -43,16 +43,17 @@ from pathlib import Path
 import trio
 
 from . import _ffi
-from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
+from ._confinement import Confinement, ResourceLimits, check_confinement
+from ._driver import GUEST_EXEC, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._lease import Lease, ProcessId
+from ._native import HOLDER_PATH
 from ._network import GUEST_SOCKET, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
-SECCOMP_PROGRAM = _ffi.seccomp_program()
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
 MAX_SIGNAL = 64
 # Starting a session runs one command to see that bwrap works here.
@@ -103,6 +104,7 @@ def _plan(
     share_network: bool,
     gateway_socket: Path | None,
     mounts: tuple[Mount, ...],
+    tmp_size: int,
 ) -> list[str]:
     """The per-session part of every command's bwrap arguments."""
     plan = ["--unshare-all", "--unshare-user"]
@@ -132,8 +134,11 @@ def _plan(
         "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
         "--perms", "1777", "--size", str(_ffi.SHM_BYTES), "--tmpfs", "/dev/shm",
-        "--perms", "1777", "--size", str(_ffi.TMP_BYTES), "--tmpfs", "/tmp",
+        "--perms", "1777", "--size", str(tmp_size), "--tmpfs", "/tmp",
         "--dir", "/run",
+        # The first program inside: it sets the command's rlimits (see
+        # csrc/limits.c) and execs the command.
+        "--ro-bind", str(HOLDER_PATH), GUEST_EXEC,
         "--remount-ro", "/dev",  # bwrap's /dev is a tmpfs the guest could write to
     ]  # fmt: skip
     for mount in mounts:
@@ -192,10 +197,15 @@ class _Monitor:
 class BwrapProcess:
     """One command: a bwrap monitor, its init, and the command under it."""
 
-    def __init__(self, driver: BwrapDriver, monitor: _Monitor, status: int, pipes: CommandPipes) -> None:
+    def __init__(
+        self, driver: BwrapDriver, monitor: _Monitor, status: int, exec_report: int, pipes: CommandPipes
+    ) -> None:
         self._driver = driver
         self._monitor = monitor
         self._status = trio.lowlevel.FdStream(status)
+        # Where `sandboxns-holder --exec` says why it could not start the
+        # command; its end closes (empty) when the command is exec'd.
+        self._exec_report = exec_report
         self._status_lock = trio.Lock()
         self._status_text = b""
         self._status_done = False
@@ -276,6 +286,10 @@ class BwrapProcess:
         self._pipes.finish()
         if self._stopped:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
+        # Everything is gone, so every writer of the report is too.
+        exec_failure = os.read(self._exec_report, 4096)
+        if exec_failure:
+            raise _error_from_message(exec_failure.decode("utf-8", "replace"))
         if self._exit_code is not None:
             self._result = _status_from_exit_code(self._exit_code)
         elif self._killed_by is not None:
@@ -324,6 +338,9 @@ class BwrapProcess:
                     self._init_pidfd = None
                 self._monitor.close()
                 await self._status.aclose()
+                if self._exec_report >= 0:
+                    os.close(self._exec_report)
+                    self._exec_report = -1
                 self._pipes.close()
                 self._driver._forget(self)
 
@@ -367,9 +384,11 @@ class BwrapDriver(HostWorkspaceIO):
         lease: Lease | None = None,
         gateway_socket: Path | None = None,
         mounts: Sequence[Mount] = (),
+        confinement: Confinement | None = None,
     ) -> BwrapDriver:
         workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
         extra = check_mounts(mounts)
+        checked_confinement = check_confinement(confinement)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
         bwrap = find_bwrap()
@@ -383,6 +402,8 @@ class BwrapDriver(HostWorkspaceIO):
         self._bwrap = bwrap
         self._ids = (uid, gid)
         self._mounts = extra
+        self.confinement = checked_confinement
+        self._seccomp_program = checked_confinement.seccomp.program()
         self._lease = lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
@@ -423,7 +444,14 @@ class BwrapDriver(HostWorkspaceIO):
             (self._etc / name).write_text(content)
             (self._etc / name).chmod(0o644)
         self._plan = _plan(
-            self._bwrap, self.workspace, self._etc, self._ids, policy.shares_host_network, gateway_socket, self._mounts
+            self._bwrap,
+            self.workspace,
+            self._etc,
+            self._ids,
+            policy.shares_host_network,
+            gateway_socket,
+            self._mounts,
+            self.confinement.tmp_size,
         )
         self.network = policy
 
@@ -451,8 +479,12 @@ class BwrapDriver(HostWorkspaceIO):
         cwd: str,
         output: OutputSink,
         stdin: int | bytes | None = None,
+        limits: ResourceLimits | None = None,
     ) -> BwrapProcess:
         self._check_usable()
+        rlimits = ",".join(
+            "-" if value == _ffi.RLIMIT_INHERIT else str(value) for value in (limits or self.confinement.limits).slots()
+        )
         arguments = [*self._plan, "--chdir", cwd]
         for key, value in env.items():
             arguments += ["--setenv", key, value]
@@ -461,7 +493,7 @@ class BwrapDriver(HostWorkspaceIO):
             # before it execs the command, like the native driver.
             seccomp_fd = os.memfd_create("sandboxns-seccomp", os.MFD_CLOEXEC)
             cleanup.callback(os.close, seccomp_fd)
-            os.write(seccomp_fd, SECCOMP_PROGRAM)
+            os.write(seccomp_fd, self._seccomp_program)
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             arguments += ["--seccomp", str(seccomp_fd)]
             args_fd = os.memfd_create("sandboxns-bwrap-args", os.MFD_CLOEXEC)
@@ -470,8 +502,11 @@ class BwrapDriver(HostWorkspaceIO):
             os.lseek(args_fd, 0, os.SEEK_SET)
             status_read, status_write = os.pipe2(os.O_CLOEXEC)
             cleanup.callback(os.close, status_write)
+            exec_read, exec_write = os.pipe2(os.O_CLOEXEC)
+            cleanup.callback(os.close, exec_write)
             on_failure = cleanup.enter_context(contextlib.ExitStack())
             on_failure.callback(os.close, status_read)
+            on_failure.callback(os.close, exec_read)
             pipes = CommandPipes(output, stdin)
             on_failure.callback(pipes.close)
             cleanup.callback(pipes.close_child_ends)
@@ -481,17 +516,18 @@ class BwrapDriver(HostWorkspaceIO):
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
-                    [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--", *argv],
+                    [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
+                    + [GUEST_EXEC, "--exec", str(exec_write), rlimits, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,
-                    pass_fds=(args_fd, status_write, seccomp_fd),
+                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write),
                     env={},
                 )
             except OSError as exc:
                 raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot run {self._bwrap}: {exc}") from None
             on_failure.pop_all()
-        process = BwrapProcess(self, _Monitor(popen), status_read, pipes)
+        process = BwrapProcess(self, _Monitor(popen), status_read, exec_read, pipes)
         self._processes.add(process)
         self._track()
         try:

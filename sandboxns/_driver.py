@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from ._confinement import ResourceLimits
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, DirEntry
 from ._network import GUEST_SOCKET, NetworkPolicy, check_network_policy
@@ -45,6 +46,8 @@ def check_start_arguments(
     return workspace_path.resolve(), policy
 
 
+# Where the bwrap driver binds the program that starts each command.
+GUEST_EXEC = "/run/sandboxns-exec"
 MAX_MOUNTS = 8
 _MOUNT_ROOTS = ("/run/", WORKSPACE + "/")
 
@@ -77,7 +80,7 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
             or posixpath.normpath(guest) != guest
             or any(c in guest for c in ":\0")
             or not guest.startswith(_MOUNT_ROOTS)
-            or guest == GUEST_SOCKET
+            or guest in (GUEST_SOCKET, GUEST_EXEC)
         ):
             raise SandboxError(
                 ErrorCode.SANDBOX_PATH_REFUSED,
@@ -160,12 +163,14 @@ class SandboxDriver(Protocol):
         cwd: str,
         output: OutputSink,
         stdin: int | bytes | None = None,
+        limits: ResourceLimits | None = None,
     ) -> SandboxProcess:
         """Start ``argv`` inside the sandbox with exactly ``env``, in ``cwd``
         (an absolute guest path), its stdout and stderr going to ``output``.
         ``stdin`` is a host fd to hand the command, bytes to feed it, or
-        None (an empty input). Raises SandboxError(SANDBOX_STOPPED) once the
-        driver is closed."""
+        None (an empty input); ``limits`` replace the session's default
+        rlimits for this command. Raises SandboxError(SANDBOX_STOPPED) once
+        the driver is closed."""
         ...
 
     async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:

@@ -26,6 +26,39 @@ REPORT_ERROR: int = lib.SBX_REPORT_ERROR
 REPORT_EXITED: int = lib.SBX_REPORT_EXITED
 REPORT_STARTED: int = lib.SBX_REPORT_STARTED
 
+# Request rlimit slots, in the order the holder reads them.
+RLIMIT_SLOTS = {
+    "cpu_seconds": lib.SBX_RLIMIT_CPU,
+    "address_space": lib.SBX_RLIMIT_AS,
+    "file_size": lib.SBX_RLIMIT_FSIZE,
+    "open_files": lib.SBX_RLIMIT_NOFILE,
+    "processes": lib.SBX_RLIMIT_NPROC,
+}
+RLIMIT_COUNT: int = lib.SBX_NRLIMITS
+RLIMIT_INHERIT: int = lib.SBX_RLIMIT_INHERIT
+
+# The seccomp table's groups a host may lift (csrc/sbx_seccomp.h).
+SECCOMP_GROUPS = {
+    "kernel": lib.SBX_SECCOMP_KERNEL,
+    "keyring": lib.SBX_SECCOMP_KEYRING,
+    "bpf": lib.SBX_SECCOMP_BPF,
+    "perf": lib.SBX_SECCOMP_PERF,
+    "userfaultfd": lib.SBX_SECCOMP_USERFAULTFD,
+    "io_uring": lib.SBX_SECCOMP_IO_URING,
+    "ptrace": lib.SBX_SECCOMP_PTRACE,
+    "file_handles": lib.SBX_SECCOMP_FILE_HANDLES,
+    "mount": lib.SBX_SECCOMP_MOUNT,
+    "namespaces": lib.SBX_SECCOMP_NAMESPACES,
+    "personality": lib.SBX_SECCOMP_PERSONALITY,
+    "tty_injection": lib.SBX_SECCOMP_TTY_INJECTION,
+}
+SECCOMP_MAX_EXTRA: int = lib.SBX_SECCOMP_MAX_EXTRA
+
+
+def syscall_number(name: str) -> int | None:
+    """This machine's number for the syscall ``name``, or None."""
+    return getattr(lib, f"__NR_{name}", None) if name.isidentifier() else None
+
 
 @dataclass(frozen=True)
 class Report:
@@ -60,9 +93,10 @@ def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0, *, no_symlink
     return fd
 
 
-def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str]) -> bytes:
-    """Pack one exec request. Raises ValueError when the strings exceed the
-    holder's limit."""
+def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimits: Sequence[int]) -> bytes:
+    """Pack one exec request; ``rlimits`` are the RLIMIT_COUNT values in
+    slot order (RLIMIT_INHERIT for none). Raises ValueError when the strings
+    exceed the holder's limit."""
     items = [cwd, *argv, *(f"{key}={value}" for key, value in env.items())]
     strings = b"".join(os.fsencode(item) + b"\0" for item in items)
     if len(strings) > MAX_REQUEST_STRINGS:
@@ -72,6 +106,7 @@ def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str]) -> byt
     request.argc = len(argv)
     request.envc = len(env)
     request.strings_len = len(strings)
+    request.rlimits = rlimits
     return bytes(ffi.buffer(request)) + strings
 
 
@@ -96,12 +131,13 @@ def encode_signal(signum: int) -> bytes:
     return bytes(ffi.buffer(request))
 
 
-def seccomp_program() -> bytes:
-    """The guests' seccomp filter as a compiled BPF program (csrc/seccomp.c):
-    what the holder installs before each command, in the form bwrap's
-    ``--seccomp`` reads."""
+def seccomp_program(relaxed: int = 0, denied: Sequence[int] = ()) -> bytes:
+    """The guests' seccomp filter as a compiled BPF program (csrc/seccomp.c),
+    with the groups in the ``relaxed`` mask lifted and the syscall numbers
+    ``denied`` added: what the holder installs before each command, in the
+    form bwrap's ``--seccomp`` reads."""
     buffer = ffi.new("unsigned char[]", lib.SBX_SECCOMP_MAX_INSNS * 8)
-    size = lib.sbx_seccomp_export(buffer, len(buffer))
+    size = lib.sbx_seccomp_export(buffer, len(buffer), relaxed, ffi.new("uint32_t[]", list(denied)), len(denied))
     if size < 0:
         raise OSError(-size, os.strerror(-size))
     return bytes(ffi.buffer(buffer, size))

@@ -21,6 +21,7 @@ from pathlib import Path
 import trio
 
 from . import _ffi
+from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
@@ -150,6 +151,7 @@ class NativeDriver(HostWorkspaceIO):
         lease: Lease | None = None,
         gateway_socket: Path | None = None,
         mounts: Sequence[Mount] = (),
+        confinement: Confinement | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(template, scratch)`` the workspace is
@@ -159,9 +161,11 @@ class NativeDriver(HostWorkspaceIO):
         launcher, so it stays locked until every process of the session is
         gone, even if this process dies first. ``gateway_socket``, for an
         allow-list policy, is bound at /run/sandboxns-network.sock.
-        ``mounts`` are extra host paths to bind (see :class:`Mount`)."""
+        ``mounts`` are extra host paths to bind (see :class:`Mount`);
+        ``confinement`` the session's kernel bounds (see :class:`Confinement`)."""
         workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
         extra = check_mounts(mounts)
+        checked_confinement = check_confinement(confinement)
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
@@ -169,7 +173,14 @@ class NativeDriver(HostWorkspaceIO):
             )
         self = object.__new__(cls)
         self.workspace = workspace_path
-        self._base_argv = [str(HOLDER_PATH), f"--uid={uid}", f"--gid={gid}", f"--workspace={self.workspace}"]
+        self.confinement = checked_confinement
+        self._base_argv = [
+            str(HOLDER_PATH),
+            f"--uid={uid}",
+            f"--gid={gid}",
+            f"--workspace={self.workspace}",
+            *self.confinement.holder_arguments(),
+        ]
         if overlay is not None:
             template, scratch = overlay
             self._base_argv += [
@@ -307,10 +318,11 @@ class NativeDriver(HostWorkspaceIO):
         cwd: str,
         output: OutputSink,
         stdin: int | bytes | None = None,
+        limits: ResourceLimits | None = None,
     ) -> NativeProcess:
         self._check_usable()
         try:
-            request = _ffi.encode_request(cwd, argv, env)
+            request = _ffi.encode_request(cwd, argv, env, (limits or self.confinement.limits).slots())
         except ValueError as exc:
             raise SandboxError(ErrorCode.SANDBOX_LIMIT, str(exc)) from None
         pipes = CommandPipes(output, stdin)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ._bwrap import BwrapDriver
+from ._confinement import Confinement
 from ._errors import ErrorCode, SandboxError
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._native import NativeDriver
@@ -38,13 +39,15 @@ async def open_sandbox(
     gid: int = 1000,
     upstream_ssl_context: ssl.SSLContext | None = None,
     on_broker_error: Callable[[BaseException], object] | None = None,
+    confinement: Confinement | None = None,
 ) -> AsyncIterator[Session]:
     """Start a sandbox whose ``/workspace`` is the host directory
     ``workspace``; everything in it is killed when the block exits.
 
     ``upstream_ssl_context`` verifies https upstreams of an allow-list
     policy (default: the system's trust store); ``on_broker_error`` receives
-    the gateway's internal errors."""
+    the gateway's internal errors; ``confinement`` sets the session's
+    rlimits, /tmp size and seccomp filter (see :class:`Confinement`)."""
     driver_type = driver_class(driver)
     policy = check_network_policy(network)
     hub = GatewayHub(upstream_ssl_context, on_broker_error)
@@ -53,7 +56,7 @@ async def open_sandbox(
         try:
             gateway_socket = await network_of_session.prepare(policy)
             sandbox_driver = await driver_type.start(
-                workspace, network=policy, uid=uid, gid=gid, gateway_socket=gateway_socket
+                workspace, network=policy, uid=uid, gid=gid, gateway_socket=gateway_socket, confinement=confinement
             )
             try:
                 yield create_sandbox_session(sandbox_driver, network=network_of_session)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from ._confinement import ResourceLimits
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, DirEntry
@@ -360,6 +361,7 @@ class Session:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output_bytes: int | None = None,
+        resource_limits: ResourceLimits | None = None,
     ) -> RunResult:
         """Run one command to completion inside the sandbox.
 
@@ -368,8 +370,10 @@ class Session:
         session's, see :meth:`configure`; PATH, HOME and LANG unless
         configured). Past ``timeout`` seconds (default 30) the command's
         whole tree is killed and ``timed_out`` is set; output past
-        ``max_output_bytes`` (default 1 MiB) is dropped. Cancelling the call kills the tree before
-        the cancellation propagates.
+        ``max_output_bytes`` (default 1 MiB) is dropped. ``resource_limits``
+        replace the session's rlimits for this command (see
+        :class:`~sandboxns.ResourceLimits`). Cancelling the call kills the
+        tree before the cancellation propagates.
         """
         if self._admission is not None:
             self._admission.check()  # refusals are the common case under load: make them cheap
@@ -390,9 +394,17 @@ class Session:
             stdin = bytes(stdin)
         elif stdin is not None and not isinstance(stdin, bytes):
             raise _invalid(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
+        if resource_limits is not None and not isinstance(resource_limits, ResourceLimits):
+            raise _invalid(f"resource_limits must be a sandboxns.ResourceLimits, not {resource_limits!r}")
 
         return await self._execute(
-            argv, env=env, cwd=guest_cwd, stdin=stdin, timeout=timeout, output=_OutputCollector(max_output_bytes)
+            argv,
+            env=env,
+            cwd=guest_cwd,
+            stdin=stdin,
+            timeout=timeout,
+            output=_OutputCollector(max_output_bytes),
+            limits=resource_limits,
         )
 
     async def _execute(
@@ -405,6 +417,7 @@ class Session:
         output: CollectedOutput,
         stdin: int | bytes | None = None,
         cancel_grace: float = CANCEL_GRACE,
+        limits: ResourceLimits | None = None,
     ) -> RunResult:
         """Run checked arguments to completion, feeding the output to
         ``output`` (which may ask for the command to be killed). ``stdin``
@@ -420,7 +433,7 @@ class Session:
             self._quiet = trio.Event()
         self.touch()
         try:
-            return await self._supervise(argv, env, cwd, timeout, output, stdin, cancel_grace)
+            return await self._supervise(argv, env, cwd, timeout, output, stdin, cancel_grace, limits)
         finally:
             self._running -= 1
             self.touch()
@@ -438,11 +451,12 @@ class Session:
         output: CollectedOutput,
         stdin: int | bytes | None,
         cancel_grace: float,
+        limits: ResourceLimits | None,
     ) -> RunResult:
         """Spawn and wait; returns only once the command's whole tree is
         gone, whatever happens (timeout, cancellation, a stop)."""
         started = time.monotonic()
-        process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin, output=output)
+        process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin, output=output, limits=limits)
         timed_out = False
         status: ExitStatus | None = None
         session_stopped = False

@@ -285,3 +285,34 @@ async def test_delete_removes_whatever_the_guest_left(backend):
     await handle.delete()
     assert os.listdir(backend.state_directory / "sessions") == []
     assert outside.read_text() == "keep" and outside.stat().st_mode & 0o777 != 0o700
+
+
+async def test_a_sessions_confinement_is_stored_and_kept_on_resume(backend):
+    template = await backend.prewarm(template="t", files={"a": b"1"})
+    confinement = sandboxns.Confinement(
+        tmp_size=8 << 20,
+        limits=sandboxns.ResourceLimits(open_files=50),
+        seccomp=sandboxns.SeccompPolicy(deny={"uname"}),
+    )
+    probe = "df -k /tmp | tail -n 1 | awk '{print $2}'; ulimit -n; uname >/dev/null 2>&1 || echo no-uname"
+    handle = await backend.create(template=template.template_key, confinement=confinement)
+    first = await handle.session.run("sh", ["-c", probe])
+    state = handle.capture_state()
+    await handle.stop()
+    with pytest.raises(SandboxError) as caught:
+        await backend.create(template=template.template_key, state=state, confinement=sandboxns.Confinement())
+    assert caught.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    resumed = await backend.create(template=template.template_key, state=state)
+    second = await resumed.session.run("sh", ["-c", probe])
+    assert first.stdout.split() == second.stdout.split() == ["8192", "50", "no-uname"], (first, second)
+    await resumed.delete()
+
+
+async def test_a_pool_hands_out_only_default_confinement(backend):
+    template = await backend.prewarm(template="t", files={"a": b"1"})
+    await backend.pool(template=template.template_key, size=1)
+    confinement = sandboxns.Confinement(tmp_size=8 << 20)
+    handle = await backend.create(template=template.template_key, confinement=confinement)
+    result = await handle.session.run("sh", ["-c", "df -k /tmp | tail -n 1 | awk '{print $2}'"])
+    assert result.stdout.split() == ["8192"]
+    await handle.delete()

@@ -9,6 +9,8 @@ import platform
 
 import pytest
 
+import sandboxns
+
 pytestmark = [
     pytest.mark.smoke,
     pytest.mark.skipif(platform.machine() != "x86_64", reason="the numbers below are x86_64's"),
@@ -84,3 +86,34 @@ async def test_ordinary_programs_still_work(session):
     script += "print(subprocess.run(['sh', '-c', 'echo spawned'], capture_output=True).stdout.decode())"
     result = await session.run("python3", ["-c", script])
     assert (result.exit_code, result.stdout.split()) == (0, ["spawned"]), result.stderr
+
+
+async def test_a_host_may_lift_a_group_and_deny_more(driver_name, workspace):
+    # A debugger needs ptrace; uname stands for any call a host wants gone.
+    seccomp = sandboxns.SeccompPolicy(allow={"ptrace", "perf"}, deny={"uname"})
+    confinement = sandboxns.Confinement(seccomp=seccomp)
+    async with sandboxns.open_sandbox(workspace, driver=driver_name, confinement=confinement) as session:
+        errors = await probe(
+            session,
+            {
+                "uname": [63, 0],
+                "ptrace_traceme": [EPERM_CALLS["ptrace"], 0, 0, 0, 0],  # PTRACE_TRACEME: allowed once lifted
+                "bpf": [EPERM_CALLS["bpf"], 0, 0, 0],  # still denied
+                "mount": [EPERM_CALLS["mount"], 0, 0, 0, 0, 0],
+            },
+        )
+    assert errors == {"uname": 1, "ptrace_traceme": 0, "bpf": 1, "mount": 1}
+
+
+@pytest.mark.parametrize(
+    ("options", "wrong"),
+    [
+        ({"allow": {"everything"}}, "everything"),
+        ({"deny": {"no_such_call"}}, "no_such_call"),
+        ({"allow": "ptrace"}, ""),
+    ],
+)
+def test_unknown_seccomp_names_are_refused(options, wrong):
+    with pytest.raises(sandboxns.SandboxError) as caught:
+        sandboxns.SeccompPolicy(**options)
+    assert caught.value.code == "SANDBOX_INVALID_ARGUMENT" and wrong in caught.value.message
