@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -101,6 +102,29 @@ def descendants(pid: int) -> set[int]:
             pending.extend(children - found)
             found |= children
     return found
+
+
+async def start_waiting_guest(session, workspace, nursery, marker: str, setup: str = "") -> None:
+    """Start a long-running guest process whose command line carries marker,
+    after the shell commands in setup, and return once that process itself
+    runs: it signals through a FIFO after its exec, so the host sees it and
+    not the shell that preceded it."""
+    ready = workspace / f"ready-{marker}"
+    os.mkfifo(ready)
+    program = 'import sys, time; open(sys.argv[1], "w").close(); time.sleep(10**6)'
+
+    async def run_guest() -> None:
+        result = await session.run(
+            "sh", ["-c", f"{setup} exec python3 -c '{program}' /workspace/{ready.name} {marker}"]
+        )
+        # Only reached when the guest ended early: release the host's read
+        # rather than leave it blocked, and fail with what the guest said.
+        with contextlib.suppress(OSError):
+            os.close(os.open(ready, os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError(f"the waiting guest ended early: {result}")
+
+    nursery.start_soon(run_guest)
+    await trio.to_thread.run_sync(ready.read_bytes)
 
 
 class FirstLine:

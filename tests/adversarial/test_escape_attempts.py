@@ -4,13 +4,12 @@ host then sees)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker
+from conftest import host_processes_with, sleep_marker, start_waiting_guest
 
 import sandboxns
 
@@ -48,27 +47,6 @@ async def test_only_the_expected_devices_exist(session):
         "stdin", "stdout", "stderr", "core",
     }  # fmt: skip
     assert not {"sda", "mem", "kmem", "port", "kmsg"} & devices
-
-
-async def start_waiting_guest(session, workspace, nursery, marker: str, setup: str = "") -> None:
-    """Start a long-running guest process whose command line carries marker,
-    after the shell commands in setup, and return once that process itself
-    runs: it signals through a FIFO after its exec, so the host sees it and
-    not the shell that preceded it."""
-    ready = workspace / f"ready-{marker}"
-    os.mkfifo(ready)
-    program = 'import sys, time; open(sys.argv[1], "w").close(); time.sleep(10**6)'
-
-    async def run_guest() -> None:
-        result = await sh(session, f"{setup} exec python3 -c '{program}' /workspace/{ready.name} {marker}")
-        # Only reached when the guest ended early: release the host's read
-        # rather than leave it blocked, and fail with what the guest said.
-        with contextlib.suppress(OSError):
-            os.close(os.open(ready, os.O_WRONLY | os.O_NONBLOCK))
-        raise AssertionError(f"the waiting guest ended early: {result}")
-
-    nursery.start_soon(run_guest)
-    await trio.to_thread.run_sync(ready.read_bytes)
 
 
 async def test_host_view_of_a_guest_process(session, workspace):
