@@ -13,6 +13,10 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     egress = [{ origin = "https://api.example.com", headers = { authorization = { env = "API_TOKEN", prefix = "Bearer " } } }]
     [limits]
     timeout = 30
+    processes = 512                 # rlimits and /tmp size, see sandboxns.Confinement
+    tmp_size = 268435456
+    [seccomp]
+    allow = ["ptrace"]              # lift groups of the default filter; deny = [...] adds syscalls
     [lifecycle]
     idle_timeout = 900
     destroy_on_close = false
@@ -32,7 +36,7 @@ import os
 import re
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ from ._backend import (
     default_state_directory,
     open_backend,
 )
+from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError
 from ._network import header_name_problem, parse_origin
 from ._open import DRIVERS
@@ -64,7 +69,8 @@ from ._templates import check_template_files
 SPEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*\r?$", re.DOTALL | re.MULTILINE)
-_FIELDS = ("id", "description", "driver", "template", "workspace", "env", "network", "limits", "lifecycle")
+_FIELDS = ("id", "description", "driver", "template", "workspace", "env", "network", "limits", "seccomp", "lifecycle")
+_RESOURCE_LIMITS = tuple(field.name for field in fields(ResourceLimits))
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,11 @@ class SandboxSpec:
     def limits(self) -> SpecLimits:
         return self._checked().limits
 
+    @property
+    def confinement(self) -> Confinement:
+        """The rlimits, /tmp size and seccomp changes its sessions start with."""
+        return self._checked().confinement
+
     def environment(self, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The commands' environment: the defaults, ``env.vars``, and the
         ``env.passthrough`` variables' values taken from ``host_env``
@@ -321,7 +332,11 @@ class SandboxSpec:
             )
         environment = self.environment(host_env)  # refused before anything is created
         network = self.network_policy(host_env)
-        lifecycle = {"idle_timeout": resolved.idle_timeout, "destroy_on_close": resolved.destroy_on_close}
+        lifecycle = {
+            "idle_timeout": resolved.idle_timeout,
+            "destroy_on_close": resolved.destroy_on_close,
+            "confinement": resolved.confinement,
+        }
         if resolved.workspace is not None:
             handle = await backend.create(workspace=resolved.workspace, network=network, **lifecycle)
         else:
@@ -373,6 +388,7 @@ class _Resolved:
     passthrough: tuple[str, ...]
     egress: str | tuple[_Egress, ...]
     limits: SpecLimits
+    confinement: Confinement
     idle_timeout: float | None
     destroy_on_close: bool
 
@@ -459,7 +475,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
 
     egress = _check_egress(c, c.table(top.get("network", {}), "network", ("egress",)).get("egress", "deny-all"))
 
-    limits_table = c.table(top.get("limits", {}), "limits", tuple(_DEFAULT_LIMITS))
+    limits_table = c.table(top.get("limits", {}), "limits", (*_DEFAULT_LIMITS, *_RESOURCE_LIMITS, "tmp_size"))
     limits = {}
     for name, default in _DEFAULT_LIMITS.items():
         value = limits_table.get(name, default)
@@ -468,6 +484,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
             value, f"limits.{name}", integer=integer, minimum=1 if integer else 0.001, maximum=_MAX_LIMITS[name]
         )
         limits[name] = default if checked is None else checked
+    confinement = _check_confinement(c, limits_table, c.table(top.get("seccomp", {}), "seccomp", ("allow", "deny")))
 
     lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
     idle_timeout = None
@@ -486,10 +503,46 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         passthrough=tuple(name for name in passthrough if isinstance(name, str)),
         egress=egress,
         limits=SpecLimits(**limits),
+        confinement=confinement,
         idle_timeout=idle_timeout,
         destroy_on_close=destroy,
     )
     return c.problems, resolved
+
+
+def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[str, Any]) -> Confinement:
+    """The rlimits, /tmp size and seccomp changes of ``limits`` and
+    ``seccomp``; each problem is reported under its own field."""
+    resource_limits = {}
+    for name in _RESOURCE_LIMITS:
+        if name in limits:
+            value = c.number(limits[name], f"limits.{name}", integer=True, minimum=1, maximum=2**63 - 1)
+            try:
+                ResourceLimits(**{name: value})
+            except SandboxError as exc:
+                c.problem(f"limits.{name}", exc.message)
+            else:
+                resource_limits[name] = value
+    tmp_size = Confinement().tmp_size
+    if "tmp_size" in limits:
+        checked = c.number(limits["tmp_size"], "limits.tmp_size", integer=True, minimum=1, maximum=2**63 - 1)
+        try:
+            tmp_size = Confinement(tmp_size=checked).tmp_size
+        except SandboxError as exc:
+            c.problem("limits.tmp_size", exc.message)
+    names = {}
+    for key in ("allow", "deny"):
+        value = seccomp.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+            c.problem(f"seccomp.{key}", f"must be a list of names, not {_short(value)}")
+            continue
+        try:
+            SeccompPolicy(**{key: value})
+        except SandboxError as exc:
+            c.problem(f"seccomp.{key}", exc.message)
+        else:
+            names[key] = value
+    return Confinement(limits=ResourceLimits(**resource_limits), tmp_size=tmp_size, seccomp=SeccompPolicy(**names))
 
 
 def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:

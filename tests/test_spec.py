@@ -330,3 +330,48 @@ async def test_a_build_is_used_once_and_its_await_form_nests_in_cancel_scopes(tm
     with trio.move_on_after(30):
         await sandbox.aclose()
     await refused(ErrorCode.SANDBOX_STOPPED, sandbox.session.run("true"))
+
+
+async def test_a_spec_sets_the_sessions_confinement(driver_name, tmp_path):
+    text = f"""
+id = "bounded"
+driver = "{driver_name}"
+[limits]
+processes = 77
+open_files = 55
+tmp_size = 8388608
+[seccomp]
+allow = ["ptrace"]
+deny = ["uname"]
+"""
+    spec = SandboxSpec.load(write(tmp_path, "box.toml", text))
+    assert spec.validate() == []
+    assert spec.confinement.limits.processes == 77 and spec.confinement.seccomp.deny == {"uname"}
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        result = await sandbox.session.run(
+            "sh", ["-c", "ulimit -n; df -k /tmp | tail -n 1 | awk '{print $2}'; uname || echo denied"]
+        )
+    assert result.stdout.split() == ["55", "8192", "denied"], result
+
+
+def test_confinement_problems_have_their_fields(tmp_path):
+    text = """
+id = "bounded"
+[limits]
+processes = 0
+open_files = "many"
+address_space = 99999999999999999999999
+tmp_size = 10
+[seccomp]
+allow = ["everything"]
+deny = "uname"
+"""
+    problems = {problem.field for problem in SandboxSpec.load(write(tmp_path, "box.toml", text)).validate()}
+    assert problems == {
+        "limits.processes",
+        "limits.open_files",
+        "limits.address_space",
+        "limits.tmp_size",
+        "seccomp.allow",
+        "seccomp.deny",
+    }
