@@ -18,6 +18,7 @@ HOLDER_SOURCES = [
     "csrc/fds.c",
     "csrc/seccomp.c",
     "csrc/limits.c",
+    "csrc/cgroup.c",
 ]
 HOLDER_NAME = "sandboxns-holder"
 HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]

@@ -65,7 +65,7 @@ ffibuilder.cdef(
         ...;
     };
 
-    int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd);
+    int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd, int cgroup_procs_fd);
 
     #define RESOLVE_BENEATH ...
     #define RESOLVE_NO_MAGICLINKS ...

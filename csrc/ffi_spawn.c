@@ -22,7 +22,11 @@ static int lift_fd(int from)
 
 /* The holder's launcher gets SIGTERM when we die (it then kills the session
  * and waits for it to be gone; see holder.c). lease_fd, unless -1, becomes
- * its fd SBX_HOLDER_LEASE_FD.
+ * its fd SBX_HOLDER_LEASE_FD. cgroup_procs_fd, unless -1, is a session
+ * cgroup's cgroup.procs: the child moves itself there before its execve, so
+ * the holder and everything it ever starts are in it from the first
+ * instruction (what clone3's CLONE_INTO_CGROUP does, without giving up
+ * vfork).
  *
  * The parent-death signal fires when the *thread* that forked the holder
  * exits, not the process: call this from a thread that lives as long as the
@@ -31,7 +35,7 @@ static int lift_fd(int from)
  * vfork shares our memory until execve, so the child reports a failure by
  * writing child_errno, which the parent reads once vfork returns, and it
  * must not change any variable the parent uses afterwards. */
-int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd)
+int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd, int cgroup_procs_fd)
 {
     static char *const empty_env[] = {NULL};
     volatile int child_errno = 0;
@@ -49,6 +53,8 @@ int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int l
             errno = ESRCH;
             goto child_fail;
         }
+        if (cgroup_procs_fd >= 0 && write(cgroup_procs_fd, "0", 1) != 1)
+            goto child_fail;
         /* New variables: the parent's own still hold its fd numbers. */
         int control = lift_fd(control_fd), lease = lease_fd >= 0 ? lift_fd(lease_fd) : -1;
         int null = lift_fd(devnull);

@@ -13,8 +13,9 @@
  *   4. serves command requests (serve.c, spawn.c) until the control socket
  *      closes, at which point pid 1 exits and the kernel kills the session.
  *
- * `sandboxns-holder --exec ...` is another program in the same file: the
- * bwrap driver's first step inside bwrap's sandbox (limits.c).
+ * `sandboxns-holder --exec ...` and `--in-cgroup ...` are other programs in
+ * the same binary: the bwrap driver's first step inside bwrap's sandbox
+ * (limits.c), and its way to start bwrap in a session's cgroup (cgroup.c).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -227,6 +228,8 @@ int main(int argc, char **argv)
 
     if (argc > 1 && strcmp(argv[1], "--exec") == 0)
         return limits_exec_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "--in-cgroup") == 0)
+        return cgroup_exec_main(argc, argv);
     reset_signals();
     /* Neither the launcher, the holder nor any command's init (forks of it)
      * may be opened through /proc/PID/mem or ptrace by a guest of the same

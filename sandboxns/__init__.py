@@ -6,6 +6,7 @@ Everything public is re-exported here; the modules behind it are private.
 from . import adapters, blocking
 from ._backend import Backend, SessionHandle, open_backend
 from ._bwrap import BwrapDriver
+from ._cgroup import CgroupLimits
 from ._coding import (
     ArtifactStore,
     CodingHooks,
@@ -31,6 +32,7 @@ __all__ = [
     "AuditRecord",
     "Backend",
     "BwrapDriver",
+    "CgroupLimits",
     "CodingHooks",
     "CodingLimits",
     "CodingTools",

@@ -43,6 +43,7 @@ from pathlib import Path
 import trio
 
 from . import _ffi
+from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._driver import GUEST_EXEC, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
@@ -409,12 +410,17 @@ class BwrapDriver(HostWorkspaceIO):
         self._closed = False
         self._stopped = trio.Event()
         self._etc = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-etc-"))
+        self._cgroup = None
         try:
+            if checked_confinement.cgroup is not None:
+                self._cgroup = SessionCgroup.create(checked_confinement.cgroup)
             self._etc.chmod(0o755)
             self._configure(policy, gateway_socket)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
             shutil.rmtree(self._etc, ignore_errors=True)
+            if self._cgroup is not None:
+                self._cgroup.close()
             raise
         # Fail now, like the native driver, if bwrap cannot make a sandbox here.
         try:
@@ -511,17 +517,22 @@ class BwrapDriver(HostWorkspaceIO):
             on_failure.callback(pipes.close)
             cleanup.callback(pipes.close_child_ends)
             stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
+            in_cgroup: list[str] = []
+            cgroup_fds: tuple[int, ...] = ()
+            if self._cgroup is not None:
+                in_cgroup = [str(HOLDER_PATH), "--in-cgroup", str(self._cgroup.procs_fd), "--"]
+                cgroup_fds = (self._cgroup.procs_fd,)
             try:
                 # Popen from trio's own thread, not a worker: bwrap's
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
-                    [self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
+                    [*in_cgroup, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
                     + [GUEST_EXEC, "--exec", str(exec_write), rlimits, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,
-                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write),
+                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write, *cgroup_fds),
                     env={},
                 )
             except OSError as exc:
@@ -547,6 +558,8 @@ class BwrapDriver(HostWorkspaceIO):
         self._closed = True
         with trio.CancelScope(shield=True):
             running = list(self._processes)
+            if self._cgroup is not None:
+                self._cgroup.kill()
             for process in running:
                 process._stopped = True
                 await process.send_signal(signal.SIGKILL)
@@ -555,4 +568,6 @@ class BwrapDriver(HostWorkspaceIO):
                 await process._wait_gone()
             await self._close_files()
             shutil.rmtree(self._etc, ignore_errors=True)
+            if self._cgroup is not None:
+                self._cgroup.close()
             self._stopped.set()

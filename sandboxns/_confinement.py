@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from . import _ffi
+from ._cgroup import CgroupLimits
 from ._errors import ErrorCode, SandboxError
 
 DEFAULT_PROCESSES = 1024
@@ -148,18 +149,22 @@ class Confinement:
     """A session's kernel bounds, fixed when it starts: ``limits`` (each
     command's default rlimits, see :class:`ResourceLimits`; a command may
     be given others), ``tmp_size`` (bytes of each command's private /tmp,
-    memory-backed; default 256 MiB) and ``seccomp`` (see
-    :class:`SeccompPolicy`)."""
+    memory-backed; default 256 MiB), ``seccomp`` (see
+    :class:`SeccompPolicy`) and ``cgroup`` (a cgroup v2 of the session's
+    own, see :class:`CgroupLimits`; none by default)."""
 
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     tmp_size: int = _ffi.TMP_BYTES
     seccomp: SeccompPolicy = field(default_factory=SeccompPolicy)
+    cgroup: CgroupLimits | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.limits, ResourceLimits):
             raise _invalid(f"limits must be a sandboxns.ResourceLimits, not {self.limits!r}")
         if not isinstance(self.seccomp, SeccompPolicy):
             raise _invalid(f"seccomp must be a sandboxns.SeccompPolicy, not {self.seccomp!r}")
+        if self.cgroup is not None and not isinstance(self.cgroup, CgroupLimits):
+            raise _invalid(f"cgroup must be a sandboxns.CgroupLimits or None, not {self.cgroup!r}")
         size = self.tmp_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 << 20 <= size <= MAX_TMP_SIZE:
             raise _invalid(f"tmp_size must be an integer number of bytes from 1 MiB to 1 TiB, not {size!r}")
@@ -168,12 +173,14 @@ class Confinement:
     def from_dict(cls, values: Mapping[str, object]) -> Confinement:
         """The inverse of :meth:`to_dict` (stored session state)."""
         seccomp = values.get("seccomp", {})
-        if not isinstance(seccomp, Mapping):
-            raise _invalid("confinement.seccomp must be a mapping")
+        cgroup = values.get("cgroup")
+        if not isinstance(seccomp, Mapping) or not isinstance(cgroup, (Mapping, type(None))):
+            raise _invalid("confinement.seccomp and confinement.cgroup must be mappings")
         return cls(
             limits=ResourceLimits.from_dict(values.get("limits", {})),  # type: ignore[arg-type]
             tmp_size=values.get("tmp_size", _ffi.TMP_BYTES),  # type: ignore[arg-type]
             seccomp=SeccompPolicy(allow=seccomp.get("allow", ()), deny=seccomp.get("deny", ())),
+            cgroup=None if cgroup is None else _stored_cgroup(cgroup),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -181,6 +188,7 @@ class Confinement:
             "limits": self.limits.to_dict(),
             "tmp_size": self.tmp_size,
             "seccomp": {"allow": sorted(self.seccomp.allow), "deny": sorted(self.seccomp.deny)},
+            "cgroup": None if self.cgroup is None else self.cgroup.to_dict(),
         }
 
     def holder_arguments(self) -> list[str]:
@@ -190,6 +198,13 @@ class Confinement:
             arguments.append(f"--seccomp-relax={self.seccomp.relaxed_mask}")
         arguments += [f"--seccomp-deny={nr}" for nr in self.seccomp.denied_numbers]
         return arguments
+
+
+def _stored_cgroup(values: Mapping[str, object]) -> CgroupLimits:
+    try:
+        return CgroupLimits(**values)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise _invalid(f"confinement.cgroup: {exc}") from None
 
 
 DEFAULT_CONFINEMENT = Confinement()

@@ -71,12 +71,14 @@ class Report:
     message: str
 
 
-def spawn_holder(path: str, argv: Sequence[str], control_fd: int, lease_fd: int = -1) -> int:
-    """Start a holder; returns its pid. Call from a long-lived thread: the
-    holder's parent-death signal is tied to the calling thread."""
+def spawn_holder(path: str, argv: Sequence[str], control_fd: int, lease_fd: int = -1, cgroup_procs_fd: int = -1) -> int:
+    """Start a holder (in the cgroup whose cgroup.procs is open as
+    ``cgroup_procs_fd``, if any); returns its pid. Call from a long-lived
+    thread: the holder's parent-death signal is tied to the calling
+    thread."""
     c_strings = [ffi.new("char[]", os.fsencode(arg)) for arg in argv]
     c_argv = ffi.new("char *[]", c_strings + [ffi.NULL])
-    pid = lib.sbx_spawn_holder(os.fsencode(path), c_argv, control_fd, lease_fd)
+    pid = lib.sbx_spawn_holder(os.fsencode(path), c_argv, control_fd, lease_fd, cgroup_procs_fd)
     if pid < 0:
         raise OSError(-pid, os.strerror(-pid), path)
     return pid

@@ -21,6 +21,7 @@ from pathlib import Path
 import trio
 
 from . import _ffi
+from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
@@ -193,13 +194,20 @@ class NativeDriver(HostWorkspaceIO):
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
         self._holder_lock = trio.Lock()
+        self._cgroup = None if self.confinement.cgroup is None else SessionCgroup.create(self.confinement.cgroup)
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await self._launch(policy, gateway_socket)
         except BaseException:
-            os.close(self._devnull)
+            self._release()
             raise
         return self
+
+    def _release(self) -> None:
+        """Give back what the session holds besides its holder (gone by now)."""
+        os.close(self._devnull)
+        if self._cgroup is not None:
+            self._cgroup.close()
 
     async def _launch(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
         """Start a holder for this session's workspace with this network."""
@@ -216,7 +224,11 @@ class NativeDriver(HostWorkspaceIO):
                 # Synchronously, in this (trio's) thread: see spawn_holder.
                 try:
                     self._pid = _ffi.spawn_holder(
-                        str(HOLDER_PATH), argv, holder_end.fileno(), -1 if self._lease is None else self._lease.fd
+                        str(HOLDER_PATH),
+                        argv,
+                        holder_end.fileno(),
+                        -1 if self._lease is None else self._lease.fd,
+                        -1 if self._cgroup is None else self._cgroup.procs_fd,
                     )
                 except OSError as exc:
                     raise SandboxError(
@@ -266,7 +278,7 @@ class NativeDriver(HostWorkspaceIO):
                 await self._launch(policy, gateway_socket)
             except BaseException:
                 self._closed = True
-                os.close(self._devnull)
+                self._release()
                 self._stopped.set()
                 raise
 
@@ -360,5 +372,5 @@ class NativeDriver(HostWorkspaceIO):
                     return
                 self._closed = True
                 await self._stop_holder()
-                os.close(self._devnull)
+                self._release()
                 self._stopped.set()
