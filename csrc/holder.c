@@ -231,17 +231,19 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--in-cgroup") == 0)
         return cgroup_exec_main(argc, argv);
     reset_signals();
+    if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
+        userns_forbid_nesting(&err) < 0)
+        goto report;
     /* Neither the launcher, the holder nor any command's init (forks of it)
      * may be opened through /proc/PID/mem or ptrace by a guest of the same
-     * user: they keep capabilities in the session's namespaces. A command's
+     * user: they keep capabilities in the session's namespaces. Only now,
+     * because a non-dumpable process's /proc/self files belong to root,
+     * and an unprivileged one writes its own uid_map above. A command's
      * execve makes the command itself dumpable again. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) {
         fail(&err, "dumpable", errno, "cannot make the holder non-dumpable: %s", strerror(errno));
         goto report;
     }
-    if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
-        userns_forbid_nesting(&err) < 0)
-        goto report;
     holder = fork();
     if (holder < 0) {
         fail(&err, "fork", errno, "cannot start the holder: %s", strerror(errno));
