@@ -19,6 +19,7 @@ HOLDER_SOURCES = [
     "csrc/seccomp.c",
     "csrc/limits.c",
     "csrc/cgroup.c",
+    "csrc/idmap.c",
 ]
 HOLDER_NAME = "sandboxns-holder"
 HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]

@@ -71,6 +71,9 @@ ffibuilder.cdef(
     #define RESOLVE_NO_MAGICLINKS ...
     #define RESOLVE_NO_SYMLINKS ...
     int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
+    int sbx_set_fs_ids(unsigned int uid, unsigned int gid);
+    int sbx_make_userns(const char *uid_map, const char *gid_map);
+    int sbx_idmapped_mount_ns(const char *const *paths, const int *readonly, int n, int idmap_userns_fd);
 
     #define SBX_SECCOMP_MAX_INSNS ...
     #define SBX_SECCOMP_MAX_EXTRA ...
@@ -87,7 +90,7 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "sandboxns._sbx",
     '#include <linux/openat2.h>\n#include <sys/syscall.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
-    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c", f"{CSRC}/seccomp.c"],
+    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c", f"{CSRC}/ffi_idmap.c", f"{CSRC}/idmap.c", f"{CSRC}/seccomp.c"],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,
 )

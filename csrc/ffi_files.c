@@ -1,10 +1,11 @@
-/* openat2(2) for the host's contained file I/O: RESOLVE_BENEATH makes the
+/* The host's contained file I/O. openat2(2): RESOLVE_BENEATH makes the
  * kernel refuse any path (through "..", an absolute symlink, or a symlink
  * that climbs out) that would leave the workspace directory, atomically with
  * the lookup, which no userspace check of the path can do. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <linux/openat2.h>
+#include <sys/fsuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -19,4 +20,17 @@ int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long 
         fd = syscall(SYS_openat2, dirfd, path, &how, sizeof how);
     while (fd < 0 && errno == EAGAIN); /* RESOLVE_CACHED is not used; EAGAIN means a rename race */
     return fd < 0 ? -errno : (int)fd;
+}
+
+/* The calling thread's file-system ids (setfsuid/setfsgid act on one thread
+ * only): a root host's file operations on a workspace seen through an
+ * idmapped mount run as the guest's host user, whose files they are there.
+ * setfsuid reports no error, so the ids are read back to check. */
+int sbx_set_fs_ids(unsigned int uid, unsigned int gid)
+{
+    setfsgid(gid);
+    setfsuid(uid);
+    if ((unsigned int)setfsgid((gid_t)-1) != gid || (unsigned int)setfsuid((uid_t)-1) != uid)
+        return -EPERM;
+    return 0;
 }

@@ -66,6 +66,23 @@ static int parse_seccomp_denial(const char *text, struct holder_config *cfg, str
     return 0;
 }
 
+/* UID:GID, the unprivileged host user a root host's guest runs as. */
+static int parse_host_ids(char *text, struct holder_config *cfg, struct sbx_report *err)
+{
+    char *colon = strchr(text, ':');
+
+    if (!colon)
+        return fail(err, "arguments", EINVAL, "bad --host-ids %s (want UID:GID)", text);
+    *colon = '\0';
+    if (parse_id(text, &cfg->outer_uid) < 0 || parse_id(colon + 1, &cfg->outer_gid) < 0 || cfg->outer_uid == 0 ||
+        cfg->outer_gid == 0)
+        return fail(err, "arguments", EINVAL, "bad --host-ids (want an unprivileged UID:GID)");
+    if (getuid() != 0)
+        return fail(err, "arguments", EPERM, "--host-ids is for a root host");
+    cfg->host_ids = 1;
+    return 0;
+}
+
 /* The filter every command of this session gets, compiled once. */
 static int compile_seccomp(struct holder_config *cfg, struct sbx_report *err)
 {
@@ -97,6 +114,7 @@ static int parse_bind(char *text, struct holder_config *cfg, struct sbx_report *
     bind->writable = text[1] == 'w';
     bind->guest = guest + 1;
     bind->host = host + 1;
+    bind->tree_fd = -1;
     cfg->nextra_binds++;
     return 0;
 }
@@ -110,13 +128,16 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
         {"bind", required_argument, NULL, 'b'},      {"tmp-bytes", required_argument, NULL, 't'},
         {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
-        {NULL, 0, NULL, 0},
+        {"host-ids", required_argument, NULL, 'i'},  {NULL, 0, NULL, 0},
     };
     unsigned long long number;
     int opt;
 
     cfg->inner_uid = cfg->inner_gid = 1000;
     cfg->commands.tmp_bytes = SBX_TMP_BYTES;
+    cfg->outer_uid = getuid();
+    cfg->outer_gid = getgid();
+    cfg->prepared = (struct prepared_trees){-1, -1, -1, -1, -1, -1};
     cfg->hostname = "sandbox";
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
         switch (opt) {
@@ -164,6 +185,10 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             if (parse_seccomp_denial(optarg, cfg, err) < 0)
                 return -1;
             break;
+        case 'i':
+            if (parse_host_ids(optarg, cfg, err) < 0)
+                return -1;
+            break;
         default:
             return fail(err, "arguments", EINVAL, "unknown argument");
         }
@@ -172,8 +197,6 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
     if (!cfg->overlay_lower != !cfg->overlay_work)
         return fail(err, "arguments", EINVAL, "--overlay-lower and --overlay-work go together");
-    cfg->outer_uid = getuid();
-    cfg->outer_gid = getgid();
     return 0;
 }
 
@@ -187,6 +210,17 @@ static void reset_signals(void)
         signal(sig, SIG_DFL);
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* The overlay's prepared layers, which the overlay holds on to by now. */
+static void close_prepared_layers(const struct prepared_trees *prepared)
+{
+    const int fds[] = {prepared->overlay_tree, prepared->overlay_lower, prepared->overlay_upper,
+                       prepared->overlay_work};
+
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
 }
 
 static volatile pid_t holder_pid;
@@ -231,7 +265,8 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--in-cgroup") == 0)
         return cgroup_exec_main(argc, argv);
     reset_signals();
-    if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 || userns_enter(&cfg, &err) < 0 ||
+    if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 ||
+        (cfg.host_ids && userns_prepare_host_ids(&cfg, &err) < 0) || userns_enter(&cfg, &err) < 0 ||
         userns_forbid_nesting(&err) < 0)
         goto report;
     /* Neither the launcher, the holder nor any command's init (forks of it)
@@ -265,6 +300,7 @@ int main(int argc, char **argv)
     }
     if (rootfs_build(&cfg, &err) < 0)
         goto report;
+    close_prepared_layers(&cfg.prepared);
     if (sethostname(cfg.hostname, strlen(cfg.hostname)) < 0) {
         fail(&err, "hostname", errno, "cannot set the hostname: %s", strerror(errno));
         goto report;

@@ -7,6 +7,11 @@
 
 #include "sbx_proto.h"
 #include "sbx_seccomp.h"
+#include "syscalls.h"
+
+/* Mount attributes of the guest's trees: system ones, and writable ones. */
+#define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+#define WORKSPACE_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 
 /* The host hands the holder its end of the control socket as this fd, and
  * optionally the session's lease file as LEASE_FD (see holder.c). */
@@ -19,6 +24,16 @@ struct extra_bind {
     const char *guest; /* absolute guest path */
     const char *host;
     int writable;
+    int tree_fd; /* prepared clone of host (a root host's, see idmap.c), or -1 */
+};
+
+/* The host trees a root host clones before it gives up root (userns.c,
+ * userns_prepare_host_ids); -1 where nothing was prepared. */
+struct prepared_trees {
+    int workspace;     /* the workspace, without an overlay */
+    int overlay_tree;  /* the directory holding the overlay's upper and work dirs */
+    int overlay_lower, overlay_upper, overlay_work; /* O_PATH fds of the layers */
+    int gateway_socket;
 };
 
 /* What every command of the session gets, fixed when the holder starts. */
@@ -39,6 +54,8 @@ struct holder_config {
     int share_network;
     struct extra_bind extra_binds[MAX_EXTRA_BINDS]; /* in order: later ones may lie inside earlier ones */
     int nextra_binds;
+    int host_ids;              /* --host-ids: a root host maps the guest to outer_uid/gid below */
+    struct prepared_trees prepared;
     uint32_t seccomp_relaxed; /* --seccomp-relax: groups lifted */
     uint32_t seccomp_denied[SBX_SECCOMP_MAX_EXTRA]; /* --seccomp-deny: more syscalls denied */
     size_t nseccomp_denied;
@@ -58,6 +75,7 @@ ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int f
 int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS]);
 
 /* userns.c */
+int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err);
 int userns_enter(const struct holder_config *cfg, struct sbx_report *err);
 int userns_forbid_nesting(struct sbx_report *err);
 int userns_empty_bounding_set(struct sbx_report *err);

@@ -23,8 +23,6 @@
  * already been cloned, and the mount is private to the session. */
 #define NEW_ROOT "/tmp"
 #define MAX_BINDS (16 + MAX_EXTRA_BINDS)
-#define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
-#define WORKSPACE_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 
 struct bind {
     char target[PATH_MAX]; /* relative to the new root */
@@ -44,23 +42,26 @@ struct plan {
 static const char *const runtime_dirs[] = {"usr", "bin", "sbin", "lib", "lib64"};
 static const char *const device_nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
 
-static int clone_tree(struct plan *plan, const char *source, const char *target, uint64_t attrs,
+/* Clone source to be bound at target with attrs, or take the clone a root
+ * host prepared (prepared >= 0, attributes already set; see idmap.c). */
+static int clone_tree(struct plan *plan, const char *source, const char *target, uint64_t attrs, int prepared,
                       struct sbx_report *err)
 {
     struct bind *bind = &plan->binds[plan->nbinds];
     struct stat st;
-    int fd;
+    int fd = prepared;
 
     if (plan->nbinds == MAX_BINDS)
         return fail(err, "bind", E2BIG, "too many bind mounts");
-    fd = sys_open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (fd < 0)
+        fd = sys_open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
     if (fd < 0)
         return fail(err, "bind", errno, "cannot clone %s: %s", source, strerror(errno));
     if (fstat(fd, &st) < 0) {
         close(fd);
         return fail(err, "bind", errno, "cannot stat %s: %s", source, strerror(errno));
     }
-    if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, attrs) < 0) {
+    if (prepared < 0 && sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, attrs) < 0) {
         close(fd);
         return fail(err, "bind", errno, "cannot restrict %s: %s", source, strerror(errno));
     }
@@ -69,6 +70,28 @@ static int clone_tree(struct plan *plan, const char *source, const char *target,
     bind->attrs = attrs;
     bind->is_dir = S_ISDIR(st.st_mode);
     plan->nbinds++;
+    return 0;
+}
+
+/* The overlay's layers: by path, or as the fds a root host prepared (Linux
+ * 6.13 takes layers by fd). */
+static int set_layers(int fs, const struct holder_config *cfg)
+{
+    const struct prepared_trees *prepared = &cfg->prepared;
+
+    if (prepared->overlay_lower >= 0)
+        return sys_fsconfig(fs, FSCONFIG_SET_FD, "lowerdir+", NULL, prepared->overlay_lower) < 0 ||
+                       sys_fsconfig(fs, FSCONFIG_SET_FD, "upperdir", NULL, prepared->overlay_upper) < 0 ||
+                       sys_fsconfig(fs, FSCONFIG_SET_FD, "workdir", NULL, prepared->overlay_work) < 0
+                   ? -1
+                   : 0;
+    /* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
+     * "lowerdir" as a ':'-separated list. */
+    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", cfg->overlay_lower, 0) < 0 &&
+         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", cfg->overlay_lower, 0) < 0) ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", cfg->workspace, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", cfg->overlay_work, 0) < 0)
+        return -1;
     return 0;
 }
 
@@ -88,13 +111,7 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
     fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
     if (fs < 0)
         return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
-    /* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
-     * "lowerdir" as a ':'-separated list. */
-    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", cfg->overlay_lower, 0) < 0 &&
-         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", cfg->overlay_lower, 0) < 0) ||
-        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", cfg->workspace, 0) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", cfg->overlay_work, 0) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+    if (set_layers(fs, cfg) < 0 || sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
         sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
         int e = errno;
         close(fs);
@@ -155,45 +172,47 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
             plan->symlinks[plan->nsymlinks][1][n] = '\0';
             snprintf(plan->symlinks[plan->nsymlinks][0], PATH_MAX, "%s", runtime_dirs[i]);
             plan->nsymlinks++;
-        } else if (S_ISDIR(st.st_mode) && clone_tree(plan, path, runtime_dirs[i], RUNTIME_RO, err) < 0) {
+        } else if (S_ISDIR(st.st_mode) && clone_tree(plan, path, runtime_dirs[i], RUNTIME_RO, -1, err) < 0) {
             return -1;
         }
     }
     if (is_directory("/etc/alternatives") &&
-        clone_tree(plan, "/etc/alternatives", "etc/alternatives", RUNTIME_RO, err) < 0)
+        clone_tree(plan, "/etc/alternatives", "etc/alternatives", RUNTIME_RO, -1, err) < 0)
         return -1;
     if (is_directory("/etc/ssl/certs") &&
-        clone_tree(plan, "/etc/ssl/certs", "etc/ssl/certs", RUNTIME_RO, err) < 0)
+        clone_tree(plan, "/etc/ssl/certs", "etc/ssl/certs", RUNTIME_RO, -1, err) < 0)
         return -1;
     /* Not needed for correctness, but without it the dynamic linker probes
      * a dozen directories on every exec. */
     if (access("/etc/ld.so.cache", R_OK) == 0 &&
-        clone_tree(plan, "/etc/ld.so.cache", "etc/ld.so.cache", RUNTIME_RO, err) < 0)
+        clone_tree(plan, "/etc/ld.so.cache", "etc/ld.so.cache", RUNTIME_RO, -1, err) < 0)
         return -1;
-    if (!is_directory(cfg->workspace))
+    if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_upper < 0 && !is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
     if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
-                           : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, err) < 0)
+                           : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, cfg->prepared.workspace,
+                                        err) < 0)
         return -1;
     /* Extra trees after the workspace, so one may cover a path inside it. */
     for (int i = 0; i < cfg->nextra_binds; i++) {
         const struct extra_bind *extra = &cfg->extra_binds[i];
 
         if (clone_tree(plan, extra->host, extra->guest + 1,
-                       extra->writable ? WORKSPACE_ATTRS : RUNTIME_RO | MOUNT_ATTR_NOEXEC, err) < 0)
+                       extra->writable ? WORKSPACE_ATTRS : RUNTIME_RO | MOUNT_ATTR_NOEXEC, extra->tree_fd, err) < 0)
             return -1;
     }
     /* The egress gateway's socket: connecting to a socket needs no write
      * access to its mount, so it is bound read-only like everything else. */
     if (cfg->gateway_socket &&
-        clone_tree(plan, cfg->gateway_socket, "run/sandboxns-network.sock", RUNTIME_RO | MOUNT_ATTR_NOEXEC, err) < 0)
+        clone_tree(plan, cfg->gateway_socket, "run/sandboxns-network.sock", RUNTIME_RO | MOUNT_ATTR_NOEXEC,
+                   cfg->prepared.gateway_socket, err) < 0)
         return -1;
     for (size_t i = 0; i < sizeof device_nodes / sizeof device_nodes[0]; i++) {
         char target[32];
 
         snprintf(path, sizeof path, "/dev/%s", device_nodes[i]);
         snprintf(target, sizeof target, "dev/%s", device_nodes[i]);
-        if (clone_tree(plan, path, target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC, err) < 0)
+        if (clone_tree(plan, path, target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC, -1, err) < 0)
             return -1;
     }
     /* With the host's network shared, its resolver configuration is the one

@@ -4,6 +4,7 @@
 #ifndef SBX_SYSCALLS_H
 #define SBX_SYSCALLS_H
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/syscall.h>
@@ -39,6 +40,12 @@
 #define FSOPEN_CLOEXEC 0x00000001
 #define FSMOUNT_CLOEXEC 0x00000001
 #endif
+#ifndef MOUNT_ATTR_IDMAP
+#define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+#ifndef FSCONFIG_SET_FD
+#define FSCONFIG_SET_FD 5
+#endif
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
 #endif
@@ -68,6 +75,14 @@ static inline int sys_mount_setattr(int dirfd, const char *path, unsigned int fl
 {
     struct sbx_mount_attr attr = {.attr_set = attr_set};
     return (int)syscall(SYS_mount_setattr, dirfd, path, flags, &attr, sizeof attr);
+}
+
+/* Make the detached tree at fd show the ids of userns_fd's map: a file owned
+ * by inside id N on disk appears owned by the map's outside id for N. */
+static inline int sys_mount_idmap(int fd, uint64_t attr_set, int userns_fd)
+{
+    struct sbx_mount_attr attr = {.attr_set = attr_set | MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
+    return (int)syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr);
 }
 
 static inline int sys_fsopen(const char *fstype, unsigned int flags)

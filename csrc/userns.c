@@ -5,10 +5,15 @@
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
+#include <grp.h>
+#include <libgen.h>
+#include <limits.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "holder.h"
+#include "idmap.h"
 
 static int write_proc_file(const char *path, const char *data)
 {
@@ -24,6 +29,103 @@ static int write_proc_file(const char *path, const char *data)
     }
     close(fd);
     return 0;
+}
+
+/* Prepared fds must not sit on LEASE_FD, which the holder closes when it
+ * is free of the launcher's business (it may be unused, so free here). */
+static int keep_fd(int fd, int *out)
+{
+    *out = fcntl(fd, F_DUPFD_CLOEXEC, LEASE_FD + 1);
+    if (*out < 0)
+        *out = -errno;
+    close(fd);
+    return *out;
+}
+
+static int prepare_tree(const char *path, uint64_t attrs, int idmap, int *out, struct sbx_report *err)
+{
+    int fd = idmap_clone_tree(path, attrs, idmap);
+
+    if (fd < 0 || keep_fd(fd, out) < 0)
+        return fail(err, "idmap", fd < 0 ? -fd : -*out, "cannot clone %s with the guest's ids: %s", path,
+                    strerror(fd < 0 ? -fd : -*out));
+    return 0;
+}
+
+static int open_layer(int tree, const char *path, int *out, struct sbx_report *err)
+{
+    char copy[PATH_MAX];
+    int fd;
+
+    snprintf(copy, sizeof copy, "%s", path);
+    fd = openat(tree, basename(copy), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || keep_fd(fd, out) < 0)
+        return fail(err, "idmap", fd < 0 ? errno : -*out, "cannot open %s: %s", path,
+                    strerror(fd < 0 ? errno : -*out));
+    return 0;
+}
+
+/* A root host's part, before userns_enter (see idmap.c): clone every tree of
+ * the session's own (workspace or overlay layers, extra binds, the gateway's
+ * socket) so that the workspace owner's files appear as the guest's, then
+ * become the unprivileged host user cfg->outer_uid/gid for good. The
+ * overlay's upper and work directories must be siblings: both come from one
+ * clone of their parent, as overlayfs wants them on one mount. */
+int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
+{
+    struct prepared_trees *prepared = &cfg->prepared;
+    char uid_map[64], gid_map[64], parent[PATH_MAX], work_parent[PATH_MAX];
+    struct stat owner;
+    int idmap, rc = -1;
+
+    if (stat(cfg->workspace, &owner) < 0)
+        return fail(err, "workspace", errno, "cannot stat %s: %s", cfg->workspace, strerror(errno));
+    snprintf(uid_map, sizeof uid_map, "%u %u 1\n", owner.st_uid, cfg->outer_uid);
+    snprintf(gid_map, sizeof gid_map, "%u %u 1\n", owner.st_gid, cfg->outer_gid);
+    idmap = idmap_make_userns(uid_map, gid_map, 0);
+    if (idmap < 0)
+        return fail(err, "idmap", -idmap, "cannot make the id mapping: %s", strerror(-idmap));
+    if (cfg->overlay_lower) {
+        snprintf(parent, sizeof parent, "%s", cfg->workspace);
+        snprintf(work_parent, sizeof work_parent, "%s", cfg->overlay_work);
+        if (strcmp(dirname(parent), dirname(work_parent)) != 0) {
+            fail(err, "idmap", EINVAL, "the overlay's upper and work directories must be siblings");
+            goto out;
+        }
+        if (prepare_tree(parent, WORKSPACE_ATTRS, idmap, &prepared->overlay_tree, err) < 0 ||
+            open_layer(prepared->overlay_tree, cfg->workspace, &prepared->overlay_upper, err) < 0 ||
+            open_layer(prepared->overlay_tree, cfg->overlay_work, &prepared->overlay_work, err) < 0 ||
+            prepare_tree(cfg->overlay_lower, RUNTIME_RO, idmap, &prepared->overlay_lower, err) < 0)
+            goto out;
+    } else if (prepare_tree(cfg->workspace, WORKSPACE_ATTRS, idmap, &prepared->workspace, err) < 0) {
+        goto out;
+    }
+    for (int i = 0; i < cfg->nextra_binds; i++) {
+        struct extra_bind *extra = &cfg->extra_binds[i];
+        uint64_t attrs = extra->writable ? WORKSPACE_ATTRS : RUNTIME_RO | MOUNT_ATTR_NOEXEC;
+
+        if (prepare_tree(extra->host, attrs, idmap, &extra->tree_fd, err) < 0)
+            goto out;
+    }
+    if (cfg->gateway_socket &&
+        prepare_tree(cfg->gateway_socket, RUNTIME_RO | MOUNT_ATTR_NOEXEC, idmap, &prepared->gateway_socket, err) < 0)
+        goto out;
+    /* Root's supplementary groups go first, while it may still drop them. */
+    if (setgroups(0, NULL) < 0 || setresgid(cfg->outer_gid, cfg->outer_gid, cfg->outer_gid) < 0 ||
+        setresuid(cfg->outer_uid, cfg->outer_uid, cfg->outer_uid) < 0) {
+        fail(err, "host-ids", errno, "cannot become uid %u: %s", cfg->outer_uid, strerror(errno));
+        goto out;
+    }
+    /* Changing uid made us non-dumpable, and /proc/self root's: userns_enter
+     * writes our own maps there. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0) {
+        fail(err, "host-ids", errno, "cannot reach our own /proc files: %s", strerror(errno));
+        goto out;
+    }
+    rc = 0;
+out:
+    close(idmap);
+    return rc;
 }
 
 /* unshare() every namespace the session needs and map the host user to the

@@ -95,6 +95,38 @@ def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0, *, no_symlink
     return fd
 
 
+def set_fs_ids(uid: int, gid: int) -> None:
+    """The calling thread's file-system uid and gid (Linux keeps them per
+    thread)."""
+    rc = lib.sbx_set_fs_ids(uid, gid)
+    if rc < 0:
+        raise OSError(-rc, f"cannot act as uid {uid}, gid {gid}: {os.strerror(-rc)}")
+
+
+def make_userns(uid_map: str, gid_map: str) -> int:
+    """A user namespace with these maps, in which no user namespace can be
+    made; returns its fd (needs privilege over the mapped ids)."""
+    fd = lib.sbx_make_userns(uid_map.encode(), gid_map.encode())
+    if fd < 0:
+        raise OSError(-fd, f"cannot make a user namespace: {os.strerror(-fd)}")
+    return fd
+
+
+def idmapped_mount_ns(paths: Sequence[str], readonly: Sequence[bool], idmap_userns_fd: int) -> int:
+    """A mount namespace in which each of ``paths`` shows its files through
+    the maps of ``idmap_userns_fd``; returns its fd."""
+    c_paths = [ffi.new("char[]", os.fsencode(path)) for path in paths]
+    fd = lib.sbx_idmapped_mount_ns(
+        ffi.new("const char *[]", c_paths),
+        ffi.new("int[]", [int(flag) for flag in readonly]),
+        len(paths),
+        idmap_userns_fd,
+    )
+    if fd < 0:
+        raise OSError(-fd, f"cannot prepare the workspace's id mapping: {os.strerror(-fd)}")
+    return fd
+
+
 def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimits: Sequence[int]) -> bytes:
     """Pack one exec request; ``rlimits`` are the RLIMIT_COUNT values in
     slot order (RLIMIT_INHERIT for none). Raises ValueError when the strings

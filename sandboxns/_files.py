@@ -313,6 +313,16 @@ class WorkspaceFiles:
             os.close(parent)
 
 
+def _as_fs_ids(ids: tuple[int, int], operation, *args):
+    """Run operation in this worker thread with the file-system ids ``ids``
+    (they are per thread), then give the thread its own back."""
+    _ffi.set_fs_ids(*ids)
+    try:
+        return operation(*args)
+    finally:
+        _ffi.set_fs_ids(os.geteuid(), os.getegid())
+
+
 class HostWorkspaceIO:
     """The byte file I/O half of a SandboxDriver whose workspace is a host
     directory (``self._files``). Work happens in a worker thread, so a slow
@@ -321,6 +331,10 @@ class HostWorkspaceIO:
     _files: WorkspaceFiles
     _closed: bool
     _lease: Lease | None
+    # The host uid and gid file operations act as, when not this process's
+    # own: a root host's workspace seen through the guest's idmapped mount
+    # belongs to the guest's host user there.
+    _fs_ids: tuple[int, int] | None = None
 
     def _check_usable(self) -> None:
         """Refuse once the session is stopped, or once an operator has taken
@@ -341,6 +355,8 @@ class HostWorkspaceIO:
         self._check_usable()
         self._file_ops += 1
         try:
+            if self._fs_ids is not None:
+                return await trio.to_thread.run_sync(_as_fs_ids, self._fs_ids, operation, *args)
             return await trio.to_thread.run_sync(operation, *args)
         finally:
             self._file_ops -= 1

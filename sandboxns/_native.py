@@ -26,6 +26,7 @@ from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
+from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._network import NetworkPolicy
 from ._pump import CommandPipes, OutputSink
@@ -182,6 +183,10 @@ class NativeDriver(HostWorkspaceIO):
             f"--workspace={self.workspace}",
             *self.confinement.holder_arguments(),
         ]
+        host_ids = guest_host_ids()
+        if host_ids is not None:
+            self._base_argv.append("--host-ids={}:{}".format(*host_ids))
+            self._fs_ids = host_ids
         if overlay is not None:
             template, scratch = overlay
             self._base_argv += [
