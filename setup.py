@@ -18,7 +18,7 @@ HOLDER_SOURCES = [
     "csrc/fds.c",
     "csrc/seccomp.c",
     "csrc/limits.c",
-    "csrc/cgroup.c",
+    "csrc/enter.c",
     "csrc/idmap.c",
 ]
 HOLDER_NAME = "sandboxns-holder"

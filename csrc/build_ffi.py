@@ -72,8 +72,9 @@ ffibuilder.cdef(
     #define RESOLVE_NO_SYMLINKS ...
     int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
     int sbx_set_fs_ids(unsigned int uid, unsigned int gid);
-    int sbx_make_userns(const char *uid_map, const char *gid_map);
-    int sbx_idmapped_mount_ns(const char *const *paths, const int *readonly, int n, int idmap_userns_fd);
+    int sbx_make_userns(const char *uid_map, const char *gid_map, int owner_uid, int owner_gid);
+    int sbx_idmapped_mount_ns(const char *const *sources, const char *const *targets, const int *readonly, int n,
+                              int idmap_userns_fd);
 
     #define SBX_SECCOMP_MAX_INSNS ...
     #define SBX_SECCOMP_MAX_EXTRA ...

@@ -13,9 +13,10 @@
  *   4. serves command requests (serve.c, spawn.c) until the control socket
  *      closes, at which point pid 1 exits and the kernel kills the session.
  *
- * `sandboxns-holder --exec ...` and `--in-cgroup ...` are other programs in
- * the same binary: the bwrap driver's first step inside bwrap's sandbox
- * (limits.c), and its way to start bwrap in a session's cgroup (cgroup.c).
+ * `sandboxns-holder --exec ...` and `--enter ...` are other programs in the
+ * same binary: the bwrap driver's first step inside bwrap's sandbox
+ * (limits.c), and its way to start bwrap where the session lives (its
+ * cgroup, a root host's mount namespace; enter.c).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -262,8 +263,8 @@ int main(int argc, char **argv)
 
     if (argc > 1 && strcmp(argv[1], "--exec") == 0)
         return limits_exec_main(argc, argv);
-    if (argc > 1 && strcmp(argv[1], "--in-cgroup") == 0)
-        return cgroup_exec_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "--enter") == 0)
+        return enter_main(argc, argv);
     reset_signals();
     if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 ||
         (cfg.host_ids && userns_prepare_host_ids(&cfg, &err) < 0) || userns_enter(&cfg, &err) < 0 ||

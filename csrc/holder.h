@@ -105,7 +105,7 @@ int holder_serve(int control_fd, const struct command_settings *settings);
 int limits_apply(const uint64_t values[SBX_NRLIMITS], struct sbx_report *err);
 int limits_exec_main(int argc, char **argv);
 
-/* cgroup.c */
-int cgroup_exec_main(int argc, char **argv);
+/* enter.c */
+int enter_main(int argc, char **argv);
 
 #endif

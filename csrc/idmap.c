@@ -10,15 +10,17 @@
  *     owner's files as the guest's through an idmapped mount
  *     (idmap_clone_tree): the guest writes them as itself, and on disk they
  *     stay the owner's;
- * and only then becomes the unprivileged user. The bwrap driver, which
- * cannot take mounts by fd, gets the idmapped workspace attached over its
- * own path in a mount namespace bwrap then starts in (idmap_mount_ns).
+ * and only then becomes the unprivileged user. The bwrap driver, whose bwrap
+ * takes mounts by path only and resolves them as the guest's user, gets the
+ * idmapped trees attached on paths that user can reach, in a mount
+ * namespace bwrap then starts in (idmap_mount_ns).
  *
  * Used by the holder and, through the Python extension, by the bwrap
  * driver; everything returns -errno on failure. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -58,6 +60,7 @@ static int write_child_file(pid_t child, const char *name, const char *data)
 struct ns_helper {
     int flags;              /* unshare() flags */
     const char *ns_name;    /* file under /proc/PID/ns */
+    int (*before)(void *arg);               /* run by the child first, or NULL */
     int (*outside)(pid_t child, void *arg); /* run by us between the steps */
     int (*inside)(void *arg);               /* run by the child at the end */
     void *arg;
@@ -101,7 +104,8 @@ static int make_namespace(const struct ns_helper *helper)
 
         close(to_parent[0]);
         close(to_child[1]); /* or the last step would wait for ourselves */
-        child_step(to_parent[1], unshare(helper->flags) < 0 ? -errno : 0);
+        go = helper->before ? helper->before(helper->arg) : 0;
+        child_step(to_parent[1], go < 0 ? go : unshare(helper->flags) < 0 ? -errno : 0);
         go = parent_step(to_child[0]);
         child_step(to_parent[1], go < 0 ? go : helper->inside ? helper->inside(helper->arg) : 0);
         parent_step(to_child[0]); /* until our handle is taken */
@@ -137,6 +141,7 @@ out:
 struct userns_maps {
     const char *uid_map, *gid_map;
     int forbid_nesting;
+    int owner_uid, owner_gid; /* or -1 */
 };
 
 static int write_maps(pid_t child, void *arg)
@@ -160,10 +165,23 @@ static int limit_nesting(void *arg)
     return maps->forbid_nesting ? write_file("/proc/sys/user/max_user_namespaces", "0\n") : 0;
 }
 
-int idmap_make_userns(const char *uid_map, const char *gid_map, int forbid_nesting)
+/* Before unsharing: the namespace's owner is whoever makes it. */
+static int become_owner(void *arg)
 {
-    struct userns_maps maps = {uid_map, gid_map, forbid_nesting};
-    struct ns_helper helper = {CLONE_NEWUSER, "user", write_maps, limit_nesting, &maps};
+    const struct userns_maps *maps = arg;
+
+    if (maps->owner_uid < 0)
+        return 0;
+    if (setgroups(0, NULL) < 0 || setresgid(maps->owner_gid, maps->owner_gid, maps->owner_gid) < 0 ||
+        setresuid(maps->owner_uid, maps->owner_uid, maps->owner_uid) < 0)
+        return -errno;
+    return 0;
+}
+
+int idmap_make_userns(const char *uid_map, const char *gid_map, int forbid_nesting, int owner_uid, int owner_gid)
+{
+    struct userns_maps maps = {uid_map, gid_map, forbid_nesting, owner_uid, owner_gid};
+    struct ns_helper helper = {CLONE_NEWUSER, "user", become_owner, write_maps, limit_nesting, &maps};
 
     return make_namespace(&helper);
 }
@@ -183,29 +201,30 @@ int idmap_clone_tree(const char *path, uint64_t attrs, int userns_fd)
     return fd;
 }
 
-struct covering {
-    const char *const *paths;
+struct attaching {
+    const char *const *targets;
     const int *tree_fds;
     int n;
 };
 
-/* In the new mount namespace: each tree over its own source path. */
-static int cover_paths(void *arg)
+/* In the new mount namespace: each tree on its target. */
+static int attach_trees(void *arg)
 {
-    const struct covering *covering = arg;
+    const struct attaching *attaching = arg;
 
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         return -errno;
-    for (int i = 0; i < covering->n; i++)
-        if (sys_move_mount(covering->tree_fds[i], "", AT_FDCWD, covering->paths[i], MOVE_MOUNT_F_EMPTY_PATH) < 0)
+    for (int i = 0; i < attaching->n; i++)
+        if (sys_move_mount(attaching->tree_fds[i], "", AT_FDCWD, attaching->targets[i], MOVE_MOUNT_F_EMPTY_PATH) <
+            0)
             return -errno;
     return 0;
 }
 
-int idmap_mount_ns(const char *const *paths, const int *tree_fds, int n)
+int idmap_mount_ns(const char *const *targets, const int *tree_fds, int n)
 {
-    struct covering covering = {paths, tree_fds, n};
-    struct ns_helper helper = {CLONE_NEWNS, "mnt", NULL, cover_paths, &covering};
+    struct attaching attaching = {targets, tree_fds, n};
+    struct ns_helper helper = {CLONE_NEWNS, "mnt", NULL, NULL, attach_trees, &attaching};
 
     return make_namespace(&helper);
 }

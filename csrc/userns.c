@@ -82,7 +82,7 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
         return fail(err, "workspace", errno, "cannot stat %s: %s", cfg->workspace, strerror(errno));
     snprintf(uid_map, sizeof uid_map, "%u %u 1\n", owner.st_uid, cfg->outer_uid);
     snprintf(gid_map, sizeof gid_map, "%u %u 1\n", owner.st_gid, cfg->outer_gid);
-    idmap = idmap_make_userns(uid_map, gid_map, 0);
+    idmap = idmap_make_userns(uid_map, gid_map, 0, -1, -1);
     if (idmap < 0)
         return fail(err, "idmap", -idmap, "cannot make the id mapping: %s", strerror(-idmap));
     if (cfg->overlay_lower) {

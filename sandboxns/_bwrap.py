@@ -38,6 +38,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import trio
@@ -48,6 +49,7 @@ from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._driver import GUEST_EXEC, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
+from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._native import HOLDER_PATH
 from ._network import GUEST_SOCKET, NetworkPolicy
@@ -106,15 +108,23 @@ def _plan(
     gateway_socket: Path | None,
     mounts: tuple[Mount, ...],
     tmp_size: int,
+    userns_fd: int | None,
 ) -> list[str]:
-    """The per-session part of every command's bwrap arguments."""
-    plan = ["--unshare-all", "--unshare-user"]
-    if share_network:
-        plan.append("--share-net")
+    """The per-session part of every command's bwrap arguments. With
+    ``userns_fd`` (a root host's, see _RootHostNamespaces) bwrap enters that
+    user namespace, which already forbids nesting, instead of making one."""
+    if userns_fd is None:
+        plan = ["--unshare-all", "--unshare-user"]
+        if _supports(bwrap, "--disable-userns"):
+            plan.append("--disable-userns")
+        if share_network:
+            plan.append("--share-net")
+    else:
+        plan = ["--userns", str(userns_fd), "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if not share_network:
+            plan.append("--unshare-net")
     uid, gid = ids
     plan += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid)]
-    if _supports(bwrap, "--disable-userns"):
-        plan.append("--disable-userns")
     plan += ["--hostname", "sandbox", "--clearenv"]
     for name in RUNTIME_DIRS:
         path = f"/{name}"
@@ -147,6 +157,60 @@ def _plan(
     if gateway_socket is not None:
         plan += ["--ro-bind", str(gateway_socket), GUEST_SOCKET]
     return plan + ["--remount-ro", "/"]
+
+
+class _RootHostNamespaces:
+    """What a root host prepares so that its guests run as the unprivileged
+    host user ``host_ids`` (see sandboxns._hostids and csrc/idmap.c): a user
+    namespace mapping the guest's ids there, owned by that user, for bwrap
+    to enter, and a mount namespace, for bwrap to start in, where the
+    workspace and extra mounts show their owner's files as the guest's.
+    bwrap itself then runs as that user, unprivileged, like any user's."""
+
+    def __init__(
+        self,
+        workspace: Path,
+        mounts: tuple[Mount, ...],
+        guest: tuple[int, int],
+        host_ids: tuple[int, int],
+        private: Path,
+    ) -> None:
+        self.guest_ids = host_ids
+        owner = workspace.stat()
+        self.owner_ids = (owner.st_uid, owner.st_gid)
+        # bwrap resolves its bind sources as the guest's host user, who may
+        # not pass through the directories above them: they are attached
+        # under the session's private directory instead, in the namespace.
+        targets = [private / "workspace", *(private / f"mount-{index}" for index in range(len(mounts)))]
+        for target, source in zip(targets, [workspace, *(Path(mount.host) for mount in mounts)], strict=True):
+            if source.is_dir():
+                target.mkdir()
+            else:
+                target.touch()
+        self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, targets[1:], strict=True)))
+        try:
+            self.userns = _ffi.make_userns(
+                f"{guest[0]} {host_ids[0]} 1\n", f"{guest[1]} {host_ids[1]} 1\n", owner=host_ids
+            )
+            idmap = _ffi.make_userns(f"{owner.st_uid} {host_ids[0]} 1\n", f"{owner.st_gid} {host_ids[1]} 1\n")
+        except OSError as exc:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
+        try:
+            self.mount_ns = _ffi.idmapped_mount_ns(
+                [str(workspace), *(str(mount.host) for mount in mounts)],
+                [str(target) for target in targets],
+                [False, *(not mount.writable for mount in mounts)],
+                idmap,
+            )
+        except OSError as exc:
+            os.close(self.userns)
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
+        finally:
+            os.close(idmap)
+
+    def close(self) -> None:
+        os.close(self.userns)
+        os.close(self.mount_ns)
 
 
 def _error_from_message(message: str) -> SandboxError:
@@ -266,6 +330,12 @@ class BwrapProcess:
             await self._monitor.wait()
             await self._read_status()
             if self._init_pidfd is not None:
+                # The monitor is gone, so the command is: whatever it left
+                # goes too. bwrap's init would otherwise wait for them all,
+                # and its die-with-parent does not survive the uid change
+                # bwrap makes inside a given user namespace (a root host's).
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
                 await trio.lowlevel.wait_readable(self._init_pidfd)
                 # Orphaned when the monitor exited; if that made it our
                 # child (we are a subreaper), reap it.
@@ -409,18 +479,37 @@ class BwrapDriver(HostWorkspaceIO):
         self._processes: set[BwrapProcess] = set()
         self._closed = False
         self._stopped = trio.Event()
-        self._etc = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-etc-"))
+        # The session's own files: a synthesized /etc and, for a root host,
+        # where bwrap finds the workspace and mounts (see _RootHostNamespaces).
+        self._private = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-"))
+        self._etc = self._private / "etc"
+        self._sources = (self.workspace, extra)
         self._cgroup = None
+        self._root_host = None
+        # Each bwrap starts through `sandboxns-holder --enter` with these
+        # options and fds when the session has a cgroup or a root host.
+        self._enter: list[str] = []
+        self._enter_fds: list[int] = []
         try:
             if checked_confinement.cgroup is not None:
                 self._cgroup = SessionCgroup.create(checked_confinement.cgroup)
-            self._etc.chmod(0o755)
+                self._enter.append(f"--cgroup-procs={self._cgroup.procs_fd}")
+                self._enter_fds.append(self._cgroup.procs_fd)
+            self._private.chmod(0o755)
+            self._etc.mkdir(mode=0o755)
+            host_ids = guest_host_ids()
+            if host_ids is not None:
+                self._root_host = _RootHostNamespaces(self.workspace, extra, (uid, gid), host_ids, self._private)
+                self._sources = self._root_host.sources
+                # Host-side file operations act as the workspace's owner, so
+                # what they create is the guest's too.
+                self._fs_ids = self._root_host.owner_ids
+                self._enter += [f"--mount-ns={self._root_host.mount_ns}", "--user={}:{}".format(*host_ids)]
+                self._enter_fds += [self._root_host.mount_ns, self._root_host.userns]
             self._configure(policy, gateway_socket)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
-            shutil.rmtree(self._etc, ignore_errors=True)
-            if self._cgroup is not None:
-                self._cgroup.close()
+            self._release()
             raise
         # Fail now, like the native driver, if bwrap cannot make a sandbox here.
         try:
@@ -440,6 +529,14 @@ class BwrapDriver(HostWorkspaceIO):
                 ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({result}): {result.stderr.strip()}"
             )
 
+    def _release(self) -> None:
+        """Give back what the session holds besides its processes."""
+        shutil.rmtree(self._private, ignore_errors=True)
+        if self._cgroup is not None:
+            self._cgroup.close()
+        if self._root_host is not None:
+            self._root_host.close()
+
     def _configure(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
         """Write the synthesized /etc and the plan for this network."""
         uid, gid = self._ids
@@ -449,16 +546,24 @@ class BwrapDriver(HostWorkspaceIO):
         for name, content in files.items():
             (self._etc / name).write_text(content)
             (self._etc / name).chmod(0o644)
+        workspace, mounts = self._sources
         self._plan = _plan(
             self._bwrap,
-            self.workspace,
+            workspace,
             self._etc,
             self._ids,
             policy.shares_host_network,
             gateway_socket,
-            self._mounts,
+            mounts,
             self.confinement.tmp_size,
+            None if self._root_host is None else self._root_host.userns,
         )
+        if gateway_socket is not None and self._root_host is not None:
+            # bwrap reaches bind sources as the guest's host user, and the
+            # gateway's socket is its owner's alone (0600): that owner must
+            # be the guest's user, and its directory open to passing through.
+            os.chown(gateway_socket, *self._root_host.guest_ids)
+            gateway_socket.parent.chmod(0o711)
         self.network = policy
 
     async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
@@ -517,22 +622,18 @@ class BwrapDriver(HostWorkspaceIO):
             on_failure.callback(pipes.close)
             cleanup.callback(pipes.close_child_ends)
             stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
-            in_cgroup: list[str] = []
-            cgroup_fds: tuple[int, ...] = ()
-            if self._cgroup is not None:
-                in_cgroup = [str(HOLDER_PATH), "--in-cgroup", str(self._cgroup.procs_fd), "--"]
-                cgroup_fds = (self._cgroup.procs_fd,)
+            enter = [str(HOLDER_PATH), "--enter", *self._enter, "--"] if self._enter else []
             try:
                 # Popen from trio's own thread, not a worker: bwrap's
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
-                    [*in_cgroup, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
+                    [*enter, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
                     + [GUEST_EXEC, "--exec", str(exec_write), rlimits, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,
-                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write, *cgroup_fds),
+                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write, *self._enter_fds),
                     env={},
                 )
             except OSError as exc:
@@ -567,7 +668,5 @@ class BwrapDriver(HostWorkspaceIO):
             for process in running:
                 await process._wait_gone()
             await self._close_files()
-            shutil.rmtree(self._etc, ignore_errors=True)
-            if self._cgroup is not None:
-                self._cgroup.close()
+            self._release()
             self._stopped.set()

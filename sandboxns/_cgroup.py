@@ -3,7 +3,7 @@
 cgroup v2 bounds what rlimits cannot: the memory of the whole session, its
 processes wherever they run, and its share of the CPUs. The drivers start
 every session process inside the session's cgroup (the holder joins it
-before its execve; each bwrap through ``sandboxns-holder --in-cgroup``), so
+before its execve; each bwrap through ``sandboxns-holder --enter``), so
 nothing escapes it, and stopping a session writes ``cgroup.kill``, which
 kills everything in it in one step.
 """
@@ -87,7 +87,7 @@ class SessionCgroup:
     def __init__(self, path: Path, procs_fd: int) -> None:
         self.path = path
         # cgroup.procs, open for writing: a process that writes "0" to it
-        # moves itself in (see csrc/ffi_spawn.c and csrc/cgroup.c).
+        # moves itself in (see csrc/ffi_spawn.c and csrc/enter.c).
         self.procs_fd = procs_fd
 
     @classmethod

@@ -103,23 +103,29 @@ def set_fs_ids(uid: int, gid: int) -> None:
         raise OSError(-rc, f"cannot act as uid {uid}, gid {gid}: {os.strerror(-rc)}")
 
 
-def make_userns(uid_map: str, gid_map: str) -> int:
-    """A user namespace with these maps, in which no user namespace can be
-    made; returns its fd (needs privilege over the mapped ids)."""
-    fd = lib.sbx_make_userns(uid_map.encode(), gid_map.encode())
+def make_userns(uid_map: str, gid_map: str, owner: tuple[int, int] = (-1, -1)) -> int:
+    """A user namespace with these maps, owned by the (uid, gid) ``owner``
+    (default: this process), in which no user namespace can be made;
+    returns its fd (needs privilege over the mapped ids)."""
+    fd = lib.sbx_make_userns(uid_map.encode(), gid_map.encode(), *owner)
     if fd < 0:
         raise OSError(-fd, f"cannot make a user namespace: {os.strerror(-fd)}")
     return fd
 
 
-def idmapped_mount_ns(paths: Sequence[str], readonly: Sequence[bool], idmap_userns_fd: int) -> int:
-    """A mount namespace in which each of ``paths`` shows its files through
-    the maps of ``idmap_userns_fd``; returns its fd."""
-    c_paths = [ffi.new("char[]", os.fsencode(path)) for path in paths]
+def idmapped_mount_ns(
+    sources: Sequence[str], targets: Sequence[str], readonly: Sequence[bool], idmap_userns_fd: int
+) -> int:
+    """A mount namespace in which each of ``targets`` shows the tree at the
+    same place in ``sources``, its files seen through the maps of
+    ``idmap_userns_fd``; returns its fd."""
+    c_sources = [ffi.new("char[]", os.fsencode(path)) for path in sources]
+    c_targets = [ffi.new("char[]", os.fsencode(path)) for path in targets]
     fd = lib.sbx_idmapped_mount_ns(
-        ffi.new("const char *[]", c_paths),
+        ffi.new("const char *[]", c_sources),
+        ffi.new("const char *[]", c_targets),
         ffi.new("int[]", [int(flag) for flag in readonly]),
-        len(paths),
+        len(sources),
         idmap_userns_fd,
     )
     if fd < 0:

@@ -3,6 +3,10 @@ reporting, and its one documented difference."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 import sandboxns
@@ -26,11 +30,21 @@ async def test_bwrap_driver_without_bubblewrap_is_unavailable(workspace, monkeyp
     assert "bubblewrap" in error.value.message
 
 
-async def test_bwrap_setup_failure_is_unavailable_with_its_message(workspace, tmp_path, monkeypatch):
+@pytest.fixture
+def open_directory():
+    """A directory anyone may pass through: a root host runs bwrap as its
+    guests' unprivileged host user, who cannot enter pytest's tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix="sandboxns-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+async def test_bwrap_setup_failure_is_unavailable_with_its_message(workspace, open_directory, monkeypatch):
     """A bwrap that cannot make namespaces (here, a stand-in that fails the
     way bwrap does) gives SANDBOX_UNAVAILABLE carrying bwrap's own words,
     never an exit code."""
-    fake = tmp_path / "bwrap"
+    fake = open_directory / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setattr(_bwrap, "find_bwrap", lambda: str(fake))

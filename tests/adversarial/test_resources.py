@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import resource
 import signal
 from pathlib import Path
@@ -63,13 +62,11 @@ async def test_a_command_gets_the_limits_it_is_given(session):
 
 
 async def test_a_fork_bomb_is_bounded(session):
-    if os.geteuid() == 0:
-        # The kernel never applies RLIMIT_NPROC to processes of host uid 0,
-        # which guests are while a root host maps them there.
-        pytest.skip("a root host's guests run as host root, which RLIMIT_NPROC does not bound")
+    # Also on a root host: its guests are an unprivileged host user, whom
+    # RLIMIT_NPROC bounds (it never bounds host uid 0).
     # Every child stays alive, so the count is what the kernel allowed at once.
     script = (
-        "import os\n"
+        "import os, signal\n"
         "count = 0\n"
         "while True:\n"
         "    try:\n"
@@ -78,7 +75,7 @@ async def test_a_fork_bomb_is_bounded(session):
         "        print(count, error.errno)\n"
         "        break\n"
         "    if pid == 0:\n"
-        "        os.pause()\n"
+        "        signal.pause()\n"
         "    count += 1\n"
     )
     limits = sandboxns.ResourceLimits(processes=64)
@@ -87,9 +84,10 @@ async def test_a_fork_bomb_is_bounded(session):
     assert error == errno.EAGAIN, result
     # The native driver counts the whole session (holder and inits too).
     assert 40 < count < 64, result
-    # And once the command is over, nothing of it is left to count.
+    # And once the command is over, nothing of it is left to count (but for
+    # the instant a dead bwrap init may wait for the host to reap it).
     again = await session.run("python3", ["-c", script], resource_limits=limits, timeout=20)
-    assert again.stdout.split()[0] == str(count), again
+    assert count - 1 <= int(again.stdout.split()[0]) <= count, again
 
 
 async def test_cpu_time_is_bounded(session):
