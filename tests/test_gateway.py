@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 
 import pytest
 import trio
-import trustme
-from conftest import FirstLine
-from upstream import Upstream, start_upstream
+from conftest import SECRET, FirstLine, http, policy_for
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
 
 pytestmark = pytest.mark.smoke
-
-SECRET = "Bearer s3cr3t-policy-value-7f3a"
 
 # The guest's client: raw bytes from stdin to the gateway socket, the raw
 # answer to stdout. Raw, so tests can send what no HTTP library would.
@@ -35,39 +30,6 @@ except BrokenPipeError:  # the gateway refused before reading it all
 while chunk := s.recv(65536):
     sys.stdout.buffer.write(chunk)
 """
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-async def upstreams(nursery, ca):
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost").configure_cert(server_context)
-    a = await start_upstream(nursery, "http")
-    b = await start_upstream(nursery, "http")
-    a_tls = await start_upstream(nursery, "https", server_context)
-    return a, b, a_tls
-
-
-@pytest.fixture
-def client_context(ca) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    return context
-
-
-def policy_for(*upstreams: Upstream, headers: dict | None = None) -> dict:
-    return {"allow": [{"origin": u.origin, "headers": headers or {"authorization": SECRET}} for u in upstreams]}
-
-
-def http(method: str, target: str, host: str, *headers: str, body: bytes = b"") -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", *headers]
-    if body:
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 async def send(session: sandboxns.Session, raw: bytes) -> list[tuple[int, bytes]]:
