@@ -443,7 +443,7 @@ class Gateway:
                 raise Refusal(400, "malformed request", close=True)
             method = request.method.decode("ascii", "replace")
             target = request.target.decode("ascii", "replace")
-            path = urlsplit(target).path or target
+            path = _path_of(target)
             close = _wants_close(request)
             if request.method.upper() in (b"CONNECT", b"TRACE"):
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
@@ -463,7 +463,7 @@ class Gateway:
                     _, rest = await self._read_body(stream, connection, rest)
                 raise
             origin_text = str(allowed.origin)
-            path = urlsplit(upstream_target).path
+            path = _path_of(upstream_target)
             body, rest = await self._read_body(stream, connection, rest)
             bytes_in = len(body)
             try:
@@ -611,6 +611,18 @@ async def _linger(stream: trio.SocketStream) -> None:
         with trio.move_on_after(LINGER_TIMEOUT):
             while drained < LINGER_BYTES and (chunk := await stream.receive_some(_READ)):
                 drained += len(chunk)
+
+
+def _path_of(target: str) -> str:
+    """A request target's path, for its audit record. The target is whatever
+    a guest sent: an origin-form one may look like a URL with a host
+    (``//x/y``), and one urlsplit cannot read is recorded whole."""
+    if target.startswith("/"):
+        return target.partition("?")[0].partition("#")[0]
+    try:
+        return urlsplit(target).path or target
+    except ValueError:
+        return target
 
 
 def _has_body(request: h11.Request) -> bool:

@@ -382,6 +382,18 @@ async def test_internal_errors_go_to_the_host_callback_not_the_guest(driver_name
     assert [str(exc) for exc in seen] == ["internal detail the guest must not see"]
 
 
+async def test_targets_urlsplit_cannot_read_are_no_internal_error(driver_name, workspace, upstreams):
+    a, b, a_tls = upstreams
+    seen: list[BaseException] = []
+    async with sandboxns.open_sandbox(
+        workspace, driver=driver_name, network=policy_for(a), on_broker_error=seen.append
+    ) as session:
+        # A path that reads like a URL with a broken IPv6 host, then a URL with one.
+        answers = await send(session, http("GET", "//[x/", a.host) + http("GET", "http://[/", a.host))
+    assert [status for status, _ in answers] == [200, 400]
+    assert [received.target for received in a.requests] == ["//[x/"] and seen == []
+
+
 async def test_a_slow_or_silent_client_is_cut_off(gateway_session, upstreams, monkeypatch):
     a, b, a_tls = upstreams
     from sandboxns import _gateway
