@@ -430,6 +430,7 @@ class Gateway:
         the bytes already read past this request."""
         started = time.monotonic()
         method, path, origin_text, bytes_in, bytes_out = "-", "-", None, 0, 0
+        close = False
         self._on_request()
         try:
             check_raw_head(head)
@@ -474,11 +475,11 @@ class Gateway:
                 with trio.fail_after(REQUEST_DEADLINE):
                     response = await self._exchange(allowed, request, upstream_target, body)
             except trio.TooSlowError:
-                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s", close) from None
+                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s") from None
             finally:
                 self._hub.limiter.release()
             if 300 <= response.status < 400 and response.status != 304:
-                raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed", close)
+                raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed")
             headers = _end_to_end(response.headers)
             if request.method == b"HEAD" or response.status in (204, 304):
                 data = b""
@@ -491,9 +492,11 @@ class Gateway:
             self._audit(method, origin_text, path, response.status, bytes_in, bytes_out, started, "")
             return not close, rest
         except Refusal as refusal:
-            await self._send(stream, _plain_response(refusal.status, refusal.reason, refusal.close))
+            # A refusal ends the connection if the guest asked for that too.
+            close = refusal.close or close
+            await self._send(stream, _plain_response(refusal.status, refusal.reason, close))
             self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
-            return not refusal.close, rest
+            return not close, rest
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             return False, b""  # the guest hung up or does not read its answers
         except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host

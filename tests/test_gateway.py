@@ -155,6 +155,18 @@ async def test_ambiguous_or_tunnelling_requests_are_refused_and_the_connection_c
     assert a.requests == []
 
 
+@pytest.mark.parametrize(
+    "refused",
+    ["GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n", "GET / HTTP/1.0\r\nHost: {host}\r\n\r\n"],
+    ids=["connection-close", "http-1.0"],
+)
+async def test_a_refusal_ends_the_connection_when_the_guest_asks(gateway_session, upstreams, refused):
+    a, b, a_tls = upstreams
+    # The request after it is never read, let alone forwarded.
+    answers = await send(gateway_session, refused.format(host=b.host).encode() + http("GET", "/", a.host))
+    assert [status for status, _ in answers] == [403] and a.requests == []
+
+
 async def test_redirects_are_not_followed(gateway_session, upstreams):
     a, b, a_tls = upstreams
     a.reply = lambda request: (302, [("location", f"http://{b.host}/stolen")], b"")
