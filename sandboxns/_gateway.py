@@ -299,11 +299,14 @@ def _response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def _plain_response(status: int, text: str, close: bool) -> bytes:
+def _plain_response(status: int, text: str, close: bool, head: bool = False) -> bytes:
+    """The gateway's own answer. To a HEAD request (``head``) it has the
+    length of its text but not the text: a client reads no body after the
+    head of an answer to HEAD, so one would pass for the next answer."""
     body = f"sandboxns gateway: {text}\n".encode()
     headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
     phrase = {403: b"Forbidden", 405: b"Method Not Allowed", 413: b"Content Too Large", 503: b"Service Unavailable"}
-    return _response_head(status, phrase.get(status, b"Error"), headers, close) + body
+    return _response_head(status, phrase.get(status, b"Error"), headers, close) + (b"" if head else body)
 
 
 @dataclass
@@ -494,14 +497,14 @@ class Gateway:
         except Refusal as refusal:
             # A refusal ends the connection if the guest asked for that too.
             close = refusal.close or close
-            await self._send(stream, _plain_response(refusal.status, refusal.reason, close))
+            await self._send(stream, _plain_response(refusal.status, refusal.reason, close, head=method == "HEAD"))
             self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
             return not close, rest
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             return False, b""  # the guest hung up or does not read its answers
         except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host
             self._report(exc)
-            await self._send(stream, _plain_response(502, "internal gateway error", close=True))
+            await self._send(stream, _plain_response(502, "internal gateway error", close=True, head=method == "HEAD"))
             self._audit(method, origin_text, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
 

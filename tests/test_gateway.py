@@ -167,6 +167,17 @@ async def test_a_refusal_ends_the_connection_when_the_guest_asks(gateway_session
     assert [status for status, _ in answers] == [403] and a.requests == []
 
 
+async def test_the_gateways_own_answer_to_head_has_no_body(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    result = await gateway_session.run(
+        "python3", ["-c", CLIENT], stdin=http("HEAD", "/", b.host) + http("GET", "/", a.host), timeout=20
+    )
+    refusal, _, rest = result.stdout_bytes.partition(b"\r\n\r\n")
+    assert refusal.startswith(b"HTTP/1.1 403 ") and b"content-length: " in refusal
+    # A client reads no body after an answer to HEAD: the next answer must follow at once.
+    assert rest.startswith(b"HTTP/1.1 200 "), rest
+
+
 async def test_redirects_are_not_followed(gateway_session, upstreams):
     a, b, a_tls = upstreams
     a.reply = lambda request: (302, [("location", f"http://{b.host}/stolen")], b"")
