@@ -34,6 +34,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import ssl
 import tempfile
@@ -83,6 +84,10 @@ LINGER_TIMEOUT = 2.0
 LINGER_BYTES = 4 * MAX_BODY_BYTES
 # How long an upstream's resolved address is reused.
 ADDRESS_TTL = 30.0
+
+# The characters of an RFC 3986 host (a name, an IPv4 address or a bracketed
+# IPv6 one) and port.
+_HOST_HEADER = re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=\[\]:]+")
 
 logger = logging.getLogger("sandboxns.gateway")
 
@@ -223,12 +228,17 @@ def check_raw_head(head: bytes) -> None:
 
 
 def _split_host(value: str) -> tuple[str, int | None]:
+    # A Host header is host[:port] and nothing more. urlsplit would read
+    # more leniently: it drops a query or fragment after the port
+    # ("api.example:443#@evil") and tabs or newlines anywhere ("a\tpi.example").
+    if not _HOST_HEADER.fullmatch(value):
+        raise Refusal(400, "malformed Host header")
     try:
         parts = urlsplit(f"//{value}")
         port = parts.port
     except ValueError:
         raise Refusal(400, "malformed Host header") from None
-    if not parts.hostname or parts.username is not None or parts.path:
+    if not parts.hostname:
         raise Refusal(400, "malformed Host header")
     return canonical_host(parts.hostname), port
 

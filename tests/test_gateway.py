@@ -381,6 +381,25 @@ def test_matching_normalises_origins():
             match_origin(policy, host, target)
 
 
+def test_a_host_header_is_a_host_and_port_and_nothing_more():
+    from sandboxns._gateway import Refusal, match_origin
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
+    for host in (
+        "api.example.com#",
+        "api.example.com:443?@evil.example",
+        "api.example.com#@evil.example",
+        "user@api.example.com",
+        "api.example.com/v1",
+        "api.exa\tmple.com",
+        "api.example.com:4\t43",
+    ):
+        with pytest.raises(Refusal) as refusal:
+            match_origin(policy, host, "/")
+        assert refusal.value.status == 400, host
+
+
 def test_policy_repr_hides_header_values():
     from sandboxns._network import check_network_policy
 
