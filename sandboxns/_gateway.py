@@ -270,7 +270,10 @@ def match_origin(policy: NetworkPolicy, host_header: str, target: str) -> tuple[
         )
         if (origin.host, origin.port) != (host, port if port is not None else DEFAULT_PORTS[parts.scheme]):
             raise Refusal(403, "the request URL names another origin than the Host header")
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # What follows the origin, as sent: urlsplit's parts would lose an
+        # empty query ("/x?" is not "/x"). A fragment is never sent.
+        path = target[len(f"{parts.scheme}://{parts.netloc}") :].partition("#")[0]
+        path = path if path.startswith("/") else "/" + path
         candidates = [allowed for allowed in policy.allowed if allowed.origin == origin]
     if not candidates:
         raise Refusal(403, f"{host_header} is not an allowed origin")

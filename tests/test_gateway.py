@@ -400,6 +400,20 @@ def test_a_host_header_is_a_host_and_port_and_nothing_more():
         assert refusal.value.status == 400, host
 
 
+def test_a_url_target_reaches_the_upstream_as_sent():
+    from sandboxns._gateway import match_origin
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
+    for target, upstream_target in (
+        ("https://api.example.com/v1?", "/v1?"),
+        ("https://api.example.com?", "/?"),
+        ("https://api.example.com/v1?a=b#fragment", "/v1?a=b"),
+        ("https://api.example.com", "/"),
+    ):
+        assert match_origin(policy, "api.example.com", target)[1] == upstream_target
+
+
 def test_policy_repr_hides_header_values():
     from sandboxns._network import check_network_policy
 
