@@ -667,9 +667,8 @@ def _wants_close(request: h11.Request) -> bool:
     tokens = {
         token.strip().lower() for name, value in request.headers if name == b"connection" for token in value.split(b",")
     }
-    if request.http_version == b"1.0":
-        return b"keep-alive" not in tokens
-    return b"close" in tokens
+    # "close" wins, even over an HTTP/1.0 client's "keep-alive" (RFC 9112, 9.6).
+    return b"close" in tokens or (request.http_version == b"1.0" and b"keep-alive" not in tokens)
 
 
 def _tls_reason(exc: BaseException) -> str:

@@ -167,6 +167,13 @@ async def test_a_refusal_ends_the_connection_when_the_guest_asks(gateway_session
     assert [status for status, _ in answers] == [403] and a.requests == []
 
 
+async def test_close_wins_over_keep_alive(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    raw = b"GET / HTTP/1.0\r\nHost: %s\r\nConnection: keep-alive, close\r\n\r\n" % a.host.encode()
+    answers = await send(gateway_session, raw + http("GET", "/", a.host))
+    assert [status for status, _ in answers] == [200] and len(a.requests) == 1
+
+
 async def test_the_gateways_own_answer_to_head_has_no_body(gateway_session, upstreams):
     a, b, a_tls = upstreams
     result = await gateway_session.run(
