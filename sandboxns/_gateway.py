@@ -34,6 +34,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import ssl
 import tempfile
@@ -83,6 +84,10 @@ LINGER_TIMEOUT = 2.0
 LINGER_BYTES = 4 * MAX_BODY_BYTES
 # How long an upstream's resolved address is reused.
 ADDRESS_TTL = 30.0
+
+# The characters of an RFC 3986 host (a name, an IPv4 address or a bracketed
+# IPv6 one) and port.
+_HOST_HEADER = re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=\[\]:]+")
 
 logger = logging.getLogger("sandboxns.gateway")
 
@@ -223,12 +228,17 @@ def check_raw_head(head: bytes) -> None:
 
 
 def _split_host(value: str) -> tuple[str, int | None]:
+    # A Host header is host[:port] and nothing more. urlsplit would read
+    # more leniently: it drops a query or fragment after the port
+    # ("api.example:443#@evil") and tabs or newlines anywhere ("a\tpi.example").
+    if not _HOST_HEADER.fullmatch(value):
+        raise Refusal(400, "malformed Host header")
     try:
         parts = urlsplit(f"//{value}")
         port = parts.port
     except ValueError:
         raise Refusal(400, "malformed Host header") from None
-    if not parts.hostname or parts.username is not None or parts.path:
+    if not parts.hostname:
         raise Refusal(400, "malformed Host header")
     return canonical_host(parts.hostname), port
 
@@ -260,7 +270,10 @@ def match_origin(policy: NetworkPolicy, host_header: str, target: str) -> tuple[
         )
         if (origin.host, origin.port) != (host, port if port is not None else DEFAULT_PORTS[parts.scheme]):
             raise Refusal(403, "the request URL names another origin than the Host header")
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # What follows the origin, as sent: urlsplit's parts would lose an
+        # empty query ("/x?" is not "/x"). A fragment is never sent.
+        path = target[len(f"{parts.scheme}://{parts.netloc}") :].partition("#")[0]
+        path = path if path.startswith("/") else "/" + path
         candidates = [allowed for allowed in policy.allowed if allowed.origin == origin]
     if not candidates:
         raise Refusal(403, f"{host_header} is not an allowed origin")
@@ -299,11 +312,14 @@ def _response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def _plain_response(status: int, text: str, close: bool) -> bytes:
+def _plain_response(status: int, text: str, close: bool, head: bool = False) -> bytes:
+    """The gateway's own answer. To a HEAD request (``head``) it has the
+    length of its text but not the text: a client reads no body after the
+    head of an answer to HEAD, so one would pass for the next answer."""
     body = f"sandboxns gateway: {text}\n".encode()
     headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
     phrase = {403: b"Forbidden", 405: b"Method Not Allowed", 413: b"Content Too Large", 503: b"Service Unavailable"}
-    return _response_head(status, phrase.get(status, b"Error"), headers, close) + body
+    return _response_head(status, phrase.get(status, b"Error"), headers, close) + (b"" if head else body)
 
 
 @dataclass
@@ -430,6 +446,7 @@ class Gateway:
         the bytes already read past this request."""
         started = time.monotonic()
         method, path, origin_text, bytes_in, bytes_out = "-", "-", None, 0, 0
+        close = False
         self._on_request()
         try:
             check_raw_head(head)
@@ -443,7 +460,7 @@ class Gateway:
                 raise Refusal(400, "malformed request", close=True)
             method = request.method.decode("ascii", "replace")
             target = request.target.decode("ascii", "replace")
-            path = urlsplit(target).path or target
+            path = _path_of(target)
             close = _wants_close(request)
             if request.method.upper() in (b"CONNECT", b"TRACE"):
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
@@ -463,7 +480,7 @@ class Gateway:
                     _, rest = await self._read_body(stream, connection, rest)
                 raise
             origin_text = str(allowed.origin)
-            path = urlsplit(upstream_target).path
+            path = _path_of(upstream_target)
             body, rest = await self._read_body(stream, connection, rest)
             bytes_in = len(body)
             try:
@@ -474,11 +491,11 @@ class Gateway:
                 with trio.fail_after(REQUEST_DEADLINE):
                     response = await self._exchange(allowed, request, upstream_target, body)
             except trio.TooSlowError:
-                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s", close) from None
+                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s") from None
             finally:
                 self._hub.limiter.release()
             if 300 <= response.status < 400 and response.status != 304:
-                raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed", close)
+                raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed")
             headers = _end_to_end(response.headers)
             if request.method == b"HEAD" or response.status in (204, 304):
                 data = b""
@@ -491,14 +508,16 @@ class Gateway:
             self._audit(method, origin_text, path, response.status, bytes_in, bytes_out, started, "")
             return not close, rest
         except Refusal as refusal:
-            await self._send(stream, _plain_response(refusal.status, refusal.reason, refusal.close))
+            # A refusal ends the connection if the guest asked for that too.
+            close = refusal.close or close
+            await self._send(stream, _plain_response(refusal.status, refusal.reason, close, head=method == "HEAD"))
             self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
-            return not refusal.close, rest
+            return not close, rest
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             return False, b""  # the guest hung up or does not read its answers
         except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host
             self._report(exc)
-            await self._send(stream, _plain_response(502, "internal gateway error", close=True))
+            await self._send(stream, _plain_response(502, "internal gateway error", close=True, head=method == "HEAD"))
             self._audit(method, origin_text, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
 
@@ -613,6 +632,18 @@ async def _linger(stream: trio.SocketStream) -> None:
                 drained += len(chunk)
 
 
+def _path_of(target: str) -> str:
+    """A request target's path, for its audit record. The target is whatever
+    a guest sent: an origin-form one may look like a URL with a host
+    (``//x/y``), and one urlsplit cannot read is recorded whole."""
+    if target.startswith("/"):
+        return target.partition("?")[0].partition("#")[0]
+    try:
+        return urlsplit(target).path or target
+    except ValueError:
+        return target
+
+
 def _has_body(request: h11.Request) -> bool:
     for name, value in request.headers:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
@@ -636,9 +667,8 @@ def _wants_close(request: h11.Request) -> bool:
     tokens = {
         token.strip().lower() for name, value in request.headers if name == b"connection" for token in value.split(b",")
     }
-    if request.http_version == b"1.0":
-        return b"keep-alive" not in tokens
-    return b"close" in tokens
+    # "close" wins, even over an HTTP/1.0 client's "keep-alive" (RFC 9112, 9.6).
+    return b"close" in tokens or (request.http_version == b"1.0" and b"keep-alive" not in tokens)
 
 
 def _tls_reason(exc: BaseException) -> str:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import ssl
 from pathlib import Path
 
 import pytest
 import trio
+import trustme
+from upstream import Upstream, start_upstream
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
@@ -142,3 +145,42 @@ class FirstLine:
             if b"\n" in self.stdout:
                 self.arrived.set()
         return False
+
+
+# The egress gateway's tests: loopback upstreams A and A over TLS (which
+# policies allow) and B (which none does), and the requests guests send.
+
+SECRET = "Bearer s3cr3t-policy-value-7f3a"
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+async def upstreams(nursery, ca):
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    a = await start_upstream(nursery, "http")
+    b = await start_upstream(nursery, "http")
+    a_tls = await start_upstream(nursery, "https", server_context)
+    return a, b, a_tls
+
+
+@pytest.fixture
+def client_context(ca) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+def policy_for(*upstreams: Upstream, headers: dict | None = None) -> dict:
+    return {"allow": [{"origin": u.origin, "headers": headers or {"authorization": SECRET}} for u in upstreams]}
+
+
+def http(method: str, target: str, host: str, *headers: str, body: bytes = b"") -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", *headers]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body

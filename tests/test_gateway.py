@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 
 import pytest
 import trio
-import trustme
-from conftest import FirstLine
-from upstream import Upstream, start_upstream
+from conftest import SECRET, FirstLine, http, policy_for
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
 
 pytestmark = pytest.mark.smoke
-
-SECRET = "Bearer s3cr3t-policy-value-7f3a"
 
 # The guest's client: raw bytes from stdin to the gateway socket, the raw
 # answer to stdout. Raw, so tests can send what no HTTP library would.
@@ -35,39 +30,6 @@ except BrokenPipeError:  # the gateway refused before reading it all
 while chunk := s.recv(65536):
     sys.stdout.buffer.write(chunk)
 """
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-async def upstreams(nursery, ca):
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost").configure_cert(server_context)
-    a = await start_upstream(nursery, "http")
-    b = await start_upstream(nursery, "http")
-    a_tls = await start_upstream(nursery, "https", server_context)
-    return a, b, a_tls
-
-
-@pytest.fixture
-def client_context(ca) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    return context
-
-
-def policy_for(*upstreams: Upstream, headers: dict | None = None) -> dict:
-    return {"allow": [{"origin": u.origin, "headers": headers or {"authorization": SECRET}} for u in upstreams]}
-
-
-def http(method: str, target: str, host: str, *headers: str, body: bytes = b"") -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", *headers]
-    if body:
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 async def send(session: sandboxns.Session, raw: bytes) -> list[tuple[int, bytes]]:
@@ -191,6 +153,36 @@ async def test_ambiguous_or_tunnelling_requests_are_refused_and_the_connection_c
     answers = await send(gateway_session, raw.replace(b"{host}", a.host.encode()) + http("GET", "/", a.host))
     assert len(answers) == 1 and 400 <= answers[0][0] < 500, answers
     assert a.requests == []
+
+
+@pytest.mark.parametrize(
+    "refused",
+    ["GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n", "GET / HTTP/1.0\r\nHost: {host}\r\n\r\n"],
+    ids=["connection-close", "http-1.0"],
+)
+async def test_a_refusal_ends_the_connection_when_the_guest_asks(gateway_session, upstreams, refused):
+    a, b, a_tls = upstreams
+    # The request after it is never read, let alone forwarded.
+    answers = await send(gateway_session, refused.format(host=b.host).encode() + http("GET", "/", a.host))
+    assert [status for status, _ in answers] == [403] and a.requests == []
+
+
+async def test_close_wins_over_keep_alive(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    raw = b"GET / HTTP/1.0\r\nHost: %s\r\nConnection: keep-alive, close\r\n\r\n" % a.host.encode()
+    answers = await send(gateway_session, raw + http("GET", "/", a.host))
+    assert [status for status, _ in answers] == [200] and len(a.requests) == 1
+
+
+async def test_the_gateways_own_answer_to_head_has_no_body(gateway_session, upstreams):
+    a, b, a_tls = upstreams
+    result = await gateway_session.run(
+        "python3", ["-c", CLIENT], stdin=http("HEAD", "/", b.host) + http("GET", "/", a.host), timeout=20
+    )
+    refusal, _, rest = result.stdout_bytes.partition(b"\r\n\r\n")
+    assert refusal.startswith(b"HTTP/1.1 403 ") and b"content-length: " in refusal
+    # A client reads no body after an answer to HEAD: the next answer must follow at once.
+    assert rest.startswith(b"HTTP/1.1 200 "), rest
 
 
 async def test_redirects_are_not_followed(gateway_session, upstreams):
@@ -396,6 +388,39 @@ def test_matching_normalises_origins():
             match_origin(policy, host, target)
 
 
+def test_a_host_header_is_a_host_and_port_and_nothing_more():
+    from sandboxns._gateway import Refusal, match_origin
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
+    for host in (
+        "api.example.com#",
+        "api.example.com:443?@evil.example",
+        "api.example.com#@evil.example",
+        "user@api.example.com",
+        "api.example.com/v1",
+        "api.exa\tmple.com",
+        "api.example.com:4\t43",
+    ):
+        with pytest.raises(Refusal) as refusal:
+            match_origin(policy, host, "/")
+        assert refusal.value.status == 400, host
+
+
+def test_a_url_target_reaches_the_upstream_as_sent():
+    from sandboxns._gateway import match_origin
+    from sandboxns._network import check_network_policy
+
+    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
+    for target, upstream_target in (
+        ("https://api.example.com/v1?", "/v1?"),
+        ("https://api.example.com?", "/?"),
+        ("https://api.example.com/v1?a=b#fragment", "/v1?a=b"),
+        ("https://api.example.com", "/"),
+    ):
+        assert match_origin(policy, "api.example.com", target)[1] == upstream_target
+
+
 def test_policy_repr_hides_header_values():
     from sandboxns._network import check_network_policy
 
@@ -418,6 +443,18 @@ async def test_internal_errors_go_to_the_host_callback_not_the_guest(driver_name
         [(status, body)] = await send(session, http("GET", "/", a.host))
     assert status == 502 and b"internal detail" not in body
     assert [str(exc) for exc in seen] == ["internal detail the guest must not see"]
+
+
+async def test_targets_urlsplit_cannot_read_are_no_internal_error(driver_name, workspace, upstreams):
+    a, b, a_tls = upstreams
+    seen: list[BaseException] = []
+    async with sandboxns.open_sandbox(
+        workspace, driver=driver_name, network=policy_for(a), on_broker_error=seen.append
+    ) as session:
+        # A path that reads like a URL with a broken IPv6 host, then a URL with one.
+        answers = await send(session, http("GET", "//[x/", a.host) + http("GET", "http://[/", a.host))
+    assert [status for status, _ in answers] == [200, 400]
+    assert [received.target for received in a.requests] == ["//[x/"] and seen == []
 
 
 async def test_a_slow_or_silent_client_is_cut_off(gateway_session, upstreams, monkeypatch):

@@ -22,6 +22,8 @@ class Received:
     target: str
     headers: dict[str, str]
     body: bytes
+    # Every header line as it came, in order, repeats included.
+    fields: list[tuple[str, str]]
 
 
 def default_reply(request: Received) -> Reply:
@@ -75,12 +77,9 @@ class Upstream:
                         return
             except (h11.RemoteProtocolError, trio.BrokenResourceError):
                 return
-            received = Received(
-                request.method.decode(),
-                request.target.decode(),
-                {name.decode(): value.decode() for name, value in request.headers},
-                body,
-            )
+            # Latin-1: a header value may carry any byte a guest sent.
+            fields = [(name.decode(), value.decode("latin-1")) for name, value in request.headers]
+            received = Received(request.method.decode(), request.target.decode(), dict(fields), body, fields)
             self.requests.append(received)
             if self.hold is not None:
                 self.waiting += 1
@@ -92,7 +91,9 @@ class Upstream:
             # The gateway may hang up mid-answer (an oversized body).
             with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
                 await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
-                await stream.send_all(connection.send(h11.Data(data=content)) + connection.send(h11.EndOfMessage()))
+                if received.method != "HEAD":  # an answer to HEAD has the length of a body but none
+                    await stream.send_all(connection.send(h11.Data(data=content)))
+                await stream.send_all(connection.send(h11.EndOfMessage()))
 
 
 async def start_upstream(nursery: trio.Nursery, scheme: str, server_context: ssl.SSLContext | None = None) -> Upstream:
