@@ -26,6 +26,7 @@ import re
 import secrets
 import shutil
 import ssl
+import stat
 import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -42,7 +43,7 @@ from ._lease import Lease, is_locked
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, check_seconds, create_sandbox_session
-from ._templates import Template, TemplateStore, check_key, check_template_files, copy_tree
+from ._templates import KEY_PATTERN, Template, TemplateStore, check_key, check_template_files, copy_tree
 
 logger = logging.getLogger("sandboxns")
 
@@ -51,6 +52,8 @@ MAX_CONCURRENT_COMMANDS_LIMIT = 4096
 MAX_POOL_SIZE = 1024
 STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+# A session.json is a few hundred bytes; a much larger one is not ours.
+MAX_DESCRIPTION_BYTES = 64 * 1024
 
 
 def _invalid(message: str) -> SandboxError:
@@ -86,6 +89,79 @@ def _write_json(path: Path, value: dict) -> None:
     temporary = path.with_name(f".{path.name}-{secrets.token_hex(6)}")
     temporary.write_text(json.dumps(value, indent=1))
     os.rename(temporary, path)
+
+
+def _description_problem(description: object, session_id: str) -> str | None:
+    """What makes ``description`` not a session.json this code wrote for
+    session ``session_id``, or None. Every field a resume acts on is
+    checked, so a damaged or edited record is refused whole."""
+    if not isinstance(description, dict):
+        return "it is not a JSON object"
+    if description.get("format") != STATE_FORMAT:
+        return f"format {description.get('format')!r} is not {STATE_FORMAT}"
+    if description.get("session") != session_id:
+        return f"it names session {description.get('session')!r}"
+    if not isinstance(description.get("backend"), str) or "template" not in description:
+        return "it names no backend or template"
+    layout, template = description.get("layout"), description.get("template")
+    if layout == "bound":
+        workspace = description.get("workspace")
+        if template is not None or not isinstance(workspace, str) or not os.path.isabs(workspace):
+            return "a bound session needs an absolute workspace path and no template"
+    elif layout in ("overlay", "copy"):
+        # Also keeps a key like "../.." from naming a host directory to use
+        # as the workspace's template.
+        if not isinstance(template, str) or not KEY_PATTERN.fullmatch(template):
+            return f"template {template!r} is not a template key"
+    else:
+        return f"unknown workspace layout {layout!r}"
+    mounts = description.get("mounts", [])
+    if not isinstance(mounts, list) or not all(
+        isinstance(mount, dict)
+        and set(mount) == {"host", "guest", "writable"}
+        and isinstance(mount["host"], str)
+        and isinstance(mount["guest"], str)
+        and isinstance(mount["writable"], bool)
+        for mount in mounts
+    ):
+        return "its mounts are malformed"
+    return None
+
+
+def read_description(state_directory: Path, session_id: str) -> dict:
+    """Session ``session_id``'s stored record (session.json), checked; a
+    record that is not one this code wrote is SANDBOX_STATE_MISMATCH and
+    nothing in it is used."""
+    path = state_directory / "sessions" / session_id / "session.json"
+    try:
+        # Never follow a symlink, nor wait on a FIFO, put where it was.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} in {state_directory}") from None
+    except OSError as exc:
+        raise _damaged(session_id, f"cannot open it: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _damaged(session_id, "it is not a regular file")
+        data = os.read(fd, MAX_DESCRIPTION_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_DESCRIPTION_BYTES:
+        raise _damaged(session_id, f"it is larger than {MAX_DESCRIPTION_BYTES} bytes")
+    try:
+        description = json.loads(data)
+    except ValueError:
+        raise _damaged(session_id, "it is not JSON") from None
+    problem = _description_problem(description, session_id)
+    if problem is not None:
+        raise _damaged(session_id, problem)
+    return description
+
+
+def _damaged(session_id: str, problem: str) -> SandboxError:
+    return SandboxError(
+        ErrorCode.SANDBOX_STATE_MISMATCH, f"the stored record of session {session_id} is not usable: {problem}"
+    )
 
 
 def remove_tree(path: Path) -> None:
@@ -504,12 +580,7 @@ class Backend:
                 f"session {session_id} was made from template {state.get('template')!r}, not {template!r}",
             )
         session_dir = self._sessions / session_id
-        try:
-            description = json.loads((session_dir / "session.json").read_text())
-        except FileNotFoundError:
-            raise SandboxError(
-                ErrorCode.SANDBOX_NOT_FOUND, f"session {session_id} does not exist in {self.state_directory}"
-            ) from None
+        description = read_description(self.state_directory, session_id)
         if description.get("backend") != self.name or description.get("template") != state.get("template"):
             raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"state does not match session {session_id}")
         if workspace is not None and Path(workspace).resolve() != Path(description.get("workspace", "")):
@@ -558,6 +629,16 @@ class Backend:
     ):
         layout = description["layout"]
         workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
+        if layout == "bound":
+            # As for mounts below: the guest of a session bound to a
+            # directory above this one can swap in a symlink, which must
+            # not redirect this session's workspace to another host path.
+            if workspace.resolve() != workspace:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"workspace {workspace} now leads to {workspace.resolve()}; refusing to bind it",
+                )
+            self._refuse_state_overlap(workspace, "workspace")
         mounts = check_mounts([Mount(**mount) for mount in description.get("mounts", [])])
         for stored, mount in zip(description.get("mounts", []), mounts, strict=True):
             # A symlink swapped in since (a guest can write some of these
@@ -672,16 +753,11 @@ def stored_session_state(state_directory: str | os.PathLike[str], session_id: st
     so a caller knows which driver to open the backend with."""
     if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
         raise _invalid(f"{session_id!r} is not a session id (32 hex digits)")
-    try:
-        description = json.loads((Path(state_directory) / "sessions" / session_id / "session.json").read_text())
-    except FileNotFoundError:
-        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} in {state_directory}") from None
-    except (OSError, ValueError) as exc:
-        raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"session {session_id} is unreadable: {exc}") from None
+    description = read_description(Path(state_directory), session_id)
     return {
         "format": STATE_FORMAT,
-        "backend": description.get("backend"),
-        "template": description.get("template"),
+        "backend": description["backend"],
+        "template": description["template"],
         "session": session_id,
     }
 

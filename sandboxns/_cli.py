@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import trio
 
-from ._backend import default_state_directory, open_backend, stored_session_state
+from ._backend import default_state_directory, open_backend, remove_tree, stored_session_state
 from ._errors import ErrorCode, SandboxError
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
@@ -105,7 +105,10 @@ async def _run(args: argparse.Namespace) -> int:
             return await _run_forwarding(session, args, command)
     finally:
         if temporary is not None:
-            shutil.rmtree(temporary, ignore_errors=True)
+            # The guest shaped this tree (any depth, modes, symlinks):
+            # remove_tree copes with all of it; shutil.rmtree does not.
+            with contextlib.suppress(SandboxError):
+                remove_tree(Path(temporary))
 
 
 def _load_valid_spec(path: str) -> SandboxSpec:

@@ -10,10 +10,11 @@ symlink. Paths arrive as canonical guest paths (``/workspace/...``, see
 ``normalize_path``).
 
 Reads refuse anything but a regular file *before* reading from it, and open
-with O_NONBLOCK, so a guest-made FIFO or device cannot hang the host. Writes go
-to a new temporary file that is renamed over the target: a failed write never
-leaves a half-written file, and a hard link the guest made to some other file
-is replaced, never written through.
+with O_NONBLOCK, so a guest-made FIFO or device cannot hang the host; a
+recursive remove opens directories only with O_DIRECTORY | O_NOFOLLOW, for
+the same reason. Writes go to a new temporary file that is renamed over the
+target: a failed write never leaves a half-written file, and a hard link the
+guest made to some other file is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +37,10 @@ from ._lease import Lease
 
 # Where the workspace appears inside every sandbox; guest paths start here.
 WORKSPACE = "/workspace"
+# How deep remove(recursive=True) descends. It holds one open directory per
+# level, so a guest's 10,000-deep tree must not cost the host as many fds;
+# deeper trees go with the session, or with an `rm -rf` run in the sandbox.
+MAX_REMOVE_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ def path_error(exc: OSError, guest_path: str) -> SandboxError:
         return SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{guest_path} does not exist")
     if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
         return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path}: {exc.strerror}")
+    if exc.errno == errno.ENAMETOOLONG:  # a path, or a name in it, longer than the kernel takes
+        return SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is too long a path")
     return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {exc.strerror}")
 
 
@@ -180,6 +186,67 @@ def discard_temporary(parent: int, temporary: str | None) -> None:
             os.unlink(temporary, dir_fd=parent)
 
 
+def _open_subdirectory(parent: int, name: str) -> int:
+    """A directory in ``parent``, opened to empty it. O_DIRECTORY |
+    O_NOFOLLOW: whatever the guest swapped in since it was seen as a
+    directory (a symlink to anywhere, a FIFO whose open would wait forever
+    for a writer) fails (ELOOP, ENOTDIR) instead of being followed or
+    opened."""
+    return _open_no_symlink(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK, 0, parent)
+
+
+def _unlink_all_but_directories(directory: int) -> list[str]:
+    """Unlink every entry of ``directory`` that is not a directory (never
+    opening one); returns the names of the subdirectories."""
+    subdirectories = []
+    with os.scandir(directory) as listing:
+        entries = list(listing)  # all of them before changing the directory
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            subdirectories.append(entry.name)
+        else:
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile: as good as removed
+                os.unlink(entry.name, dir_fd=directory)
+    return subdirectories
+
+
+def remove_directory_tree(parent: int, name: str, guest_path: str) -> None:
+    """Remove the directory ``name`` in ``parent`` and everything in it,
+    depth first, without recursion (a guest can nest deeper than Python
+    recurses). Every step is relative to a directory fd and never follows a
+    symlink, so nothing outside the tree is touched, whatever is swapped in
+    meanwhile. Past MAX_REMOVE_DEPTH it stops with SANDBOX_LIMIT; entries
+    already removed by then stay removed, as when `rm -r` fails half way."""
+    # One per directory being emptied, outermost first: its fd, its name in
+    # the one above, and its subdirectories still to remove.
+    levels: list[tuple[int, str, list[str]]] = []
+
+    def descend(into: int, child: str) -> None:
+        fd = _open_subdirectory(into, child)
+        levels.append((fd, child, []))
+        levels[-1][2].extend(_unlink_all_but_directories(fd))
+
+    try:
+        descend(parent, name)
+        while levels:
+            directory, finished, pending = levels[-1]
+            if pending:
+                if len(levels) >= MAX_REMOVE_DEPTH:
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_LIMIT,
+                        f"{guest_path} is nested more than {MAX_REMOVE_DEPTH} directories deep; remove it with a"
+                        " command in the sandbox",
+                    )
+                descend(directory, pending.pop())
+            else:
+                levels.pop()
+                os.close(directory)
+                os.rmdir(finished, dir_fd=levels[-1][0] if levels else parent)
+    finally:
+        for directory, _, _ in levels:
+            os.close(directory)
+
+
 class WorkspaceFiles:
     """Byte file operations confined to one directory, given as an fd (which
     this object then owns): a host directory, or the session's merged
@@ -240,8 +307,11 @@ class WorkspaceFiles:
                 )
             data = bytearray()
             # Read in chunks of what the file holds, not of the limit: a
-            # large limit must not mean a large allocation per read.
-            while chunk := os.read(fd, min(max_bytes + 1 - len(data), max(info.st_size + 1, 1), 1 << 20)):
+            # large limit must not mean a large allocation per read. But at
+            # least 64 KiB: a guest can grow an empty file to 1 TiB between
+            # the fstat and the read, and a byte per read() up to the limit
+            # would cost the host millions of calls.
+            while chunk := os.read(fd, min(max_bytes + 1 - len(data), max(info.st_size + 1, 1 << 16), 1 << 20)):
                 data += chunk
                 if len(data) > max_bytes:  # it grew while we read
                     raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is larger than {max_bytes} bytes")
@@ -254,7 +324,10 @@ class WorkspaceFiles:
         temporary = None
         try:
             try:
-                mode = stat.S_IMODE(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+                # The permission bits only: content the host writes must not
+                # become a setuid or setgid program because the guest marked
+                # the old file so (a root host would keep the bits).
+                mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode & 0o777
             except FileNotFoundError:
                 mode = 0o644
             temporary = write_temporary(parent, name, data, mode)
@@ -272,7 +345,10 @@ class WorkspaceFiles:
             entries = []
             with os.scandir(fd) as listing:
                 for entry in listing:
-                    info = entry.stat(follow_symlinks=False)
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed while we listed: it is not there
                     entries.append(DirEntry(entry.name, entry_kind(info.st_mode), info.st_size))
             return sorted(entries, key=lambda e: e.name)
         finally:
@@ -285,8 +361,7 @@ class WorkspaceFiles:
             if not stat.S_ISDIR(info.st_mode):
                 os.unlink(name, dir_fd=parent)
             elif recursive:
-                # rmtree with dir_fd never follows symlinks out of the tree.
-                shutil.rmtree(name, dir_fd=parent)
+                remove_directory_tree(parent, name, guest_path)
             else:
                 os.rmdir(name, dir_fd=parent)
         except OSError as exc:
@@ -295,18 +370,26 @@ class WorkspaceFiles:
             os.close(parent)
 
     def mkdir(self, guest_path: str, parents: bool) -> None:
-        if parents and guest_path != WORKSPACE:
-            parent_path = guest_path.rsplit("/", 1)[0]
-            if parent_path != WORKSPACE:
-                self.mkdir(parent_path, parents=True)
         if guest_path == WORKSPACE:
             return
+        if parents:
+            # Outermost first, in a loop: a path may have more components
+            # than Python recurses.
+            components = guest_path[len(WORKSPACE) + 1 :].split("/")
+            for depth in range(1, len(components)):
+                self._make_directory(f"{WORKSPACE}/{'/'.join(components[:depth])}", exist_ok=True)
+        self._make_directory(guest_path, exist_ok=parents)
+
+    def _make_directory(self, guest_path: str, exist_ok: bool) -> None:
         parent, name = self._parent(guest_path)
         try:
-            os.mkdir(name, 0o755, dir_fd=parent)
-        except FileExistsError:
-            if not parents or not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
-                raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} already exists") from None
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent)
+            except FileExistsError:
+                # The stat may fail too (the guest removed it meanwhile): the
+                # outer handler turns that into a SandboxError as well.
+                if not exist_ok or not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                    raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} already exists") from None
         except OSError as exc:
             raise path_error(exc, guest_path) from None
         finally:

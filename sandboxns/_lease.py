@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,15 +123,31 @@ def read_record(path: Path) -> LeaseRecord:
         os.close(fd)
 
 
+def _unusable(path: Path, problem: str) -> SandboxError:
+    return SandboxError(
+        ErrorCode.SANDBOX_STATE_MISMATCH,
+        f"the lease of session {path.parent.name} is not usable ({problem}); once nothing of the session runs,"
+        f" remove {path}",
+    )
+
+
 def _try_lock(path: Path) -> int | None:
     """An fd of the lease file holding its lock, or None if it is held. The
     fd is checked to still be the file at ``path`` (an operator may have
     replaced it)."""
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # A symlink in the lease's place is refused, not followed: the
+            # lease is truncated and rewritten, which would happen to
+            # whatever it points at. O_NONBLOCK: nor is a FIFO waited on.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:  # the session directory itself is gone
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"session {path.parent.name} does not exist") from None
+        except OSError as exc:
+            raise _unusable(path, exc.strerror) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _unusable(path, "it is not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
