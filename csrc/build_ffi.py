@@ -81,7 +81,7 @@ ffibuilder.cdef(
     enum sbx_seccomp_group {
         SBX_SECCOMP_KERNEL, SBX_SECCOMP_KEYRING, SBX_SECCOMP_BPF, SBX_SECCOMP_PERF, SBX_SECCOMP_USERFAULTFD,
         SBX_SECCOMP_IO_URING, SBX_SECCOMP_PTRACE, SBX_SECCOMP_FILE_HANDLES, SBX_SECCOMP_MOUNT,
-        SBX_SECCOMP_NAMESPACES, SBX_SECCOMP_PERSONALITY, SBX_SECCOMP_TTY_INJECTION
+        SBX_SECCOMP_NAMESPACES, SBX_SECCOMP_PERSONALITY, SBX_SECCOMP_TTY_INJECTION, SBX_SECCOMP_SETID_FILES
     };
     int sbx_seccomp_export(unsigned char *out, size_t size, uint32_t relaxed, const uint32_t *extra_denied,
                            size_t nextra_denied);

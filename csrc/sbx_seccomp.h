@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SBX_SECCOMP_MAX_INSNS 256
+#define SBX_SECCOMP_MAX_INSNS 512
 /* Syscalls a host may deny on top of the table. */
 #define SBX_SECCOMP_MAX_EXTRA 64
 
@@ -25,6 +25,7 @@ enum sbx_seccomp_group {
     SBX_SECCOMP_NAMESPACES = 1 << 9,    /* unshare, setns, clone3, clone with namespace flags */
     SBX_SECCOMP_PERSONALITY = 1 << 10,  /* personality other than querying or plain Linux */
     SBX_SECCOMP_TTY_INJECTION = 1 << 11, /* ioctl TIOCSTI, TIOCLINUX */
+    SBX_SECCOMP_SETID_FILES = 1 << 12,  /* set-user/group-ID modes on files; openat2 */
 };
 
 struct sbx_seccomp_options {

@@ -6,8 +6,9 @@
  * interfaces with a long record of exploitable bugs that sandboxed code has no
  * need for (userfaultfd, io_uring), mounting and namespace games (a guest has
  * no business creating namespaces; the holder made all it needs), terminal
- * injection (TIOCSTI, TIOCLINUX), and other ABIs on this machine (i386 entry
- * points, x32 numbers), whose syscall numbers this table does not describe.
+ * injection (TIOCSTI, TIOCLINUX), set-id files (see mode_arguments), and
+ * other ABIs on this machine (i386 entry points, x32 numbers), whose syscall
+ * numbers this table does not describe.
  *
  * Most calls fail with EPERM. clone3 and the new mount API fail with ENOSYS:
  * their arguments cannot be inspected (clone3's live in memory) or libc
@@ -28,6 +29,7 @@
 #include <stddef.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <termios.h>
 
@@ -44,6 +46,9 @@
 
 #ifndef TIOCLINUX
 #define TIOCLINUX 0x541C
+#endif
+#ifndef __NR_fchmodat2
+#define __NR_fchmodat2 452 /* Linux 6.6, the same number on both */
 #endif
 
 struct denied {
@@ -100,6 +105,40 @@ static const struct denied denied[] = {
     {__NR_unshare, EPERM, SBX_SECCOMP_NAMESPACES},
     {__NR_setns, EPERM, SBX_SECCOMP_NAMESPACES},
     {__NR_clone3, ENOSYS, SBX_SECCOMP_NAMESPACES},
+    /* Its file mode lives in memory (struct open_how), where no filter can
+     * check it for set-id bits; libc does not need it (see below). */
+    {__NR_openat2, ENOSYS, SBX_SECCOMP_SETID_FILES},
+};
+
+/* Calls that give a file a mode, and which argument holds it: no guest may
+ * make a set-user-ID or set-group-ID file. The workspace outlives the
+ * sandbox, and on a root host its files are root's on disk (see idmap.c):
+ * a set-id file left there would run with its owner's rights for whoever
+ * later runs it on the host. Directories may still be set-group-ID (mkdir
+ * is not listed), which only passes their group on. */
+struct mode_argument {
+    int nr;
+    int arg;
+};
+
+static const struct mode_argument mode_arguments[] = {
+#ifdef __NR_chmod
+    {__NR_chmod, 1},
+#endif
+    {__NR_fchmod, 1},
+    {__NR_fchmodat, 2},
+    {__NR_fchmodat2, 2},
+#ifdef __NR_open
+    {__NR_open, 2},
+#endif
+#ifdef __NR_creat
+    {__NR_creat, 1},
+#endif
+    {__NR_openat, 3},
+#ifdef __NR_mknod
+    {__NR_mknod, 1},
+#endif
+    {__NR_mknodat, 2},
 };
 
 #define NS_FLAGS                                                                              \
@@ -141,6 +180,15 @@ size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity, const struc
             continue;
         EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)denied[i].nr, 0, 1));
         EMIT(DENY(denied[i].err));
+    }
+    if (KEPT(SBX_SECCOMP_SETID_FILES)) {
+        for (size_t i = 0; i < sizeof mode_arguments / sizeof mode_arguments[0]; i++) {
+            EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)mode_arguments[i].nr, 0, 3));
+            EMIT(LOAD_ARG_LOW(mode_arguments[i].arg));
+            EMIT(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, S_ISUID | S_ISGID, 0, 1));
+            EMIT(DENY(EPERM));
+            EMIT(LOAD(nr));
+        }
     }
     if (KEPT(SBX_SECCOMP_NAMESPACES)) {
         /* clone with any namespace flag (its flags are argument 0 on both). */

@@ -51,6 +51,7 @@ SECCOMP_GROUPS = {
     "namespaces": lib.SBX_SECCOMP_NAMESPACES,
     "personality": lib.SBX_SECCOMP_PERSONALITY,
     "tty_injection": lib.SBX_SECCOMP_TTY_INJECTION,
+    "setid_files": lib.SBX_SECCOMP_SETID_FILES,
 }
 SECCOMP_MAX_EXTRA: int = lib.SBX_SECCOMP_MAX_EXTRA
 

@@ -26,7 +26,7 @@ EPERM_CALLS = {
 }  # fmt: skip
 ENOSYS_CALLS = {
     "clone3": 435, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-    "fspick": 433, "mount_setattr": 442,
+    "fspick": 433, "mount_setattr": 442, "openat2": 437,
 }  # fmt: skip
 CLONE, IOCTL, PERSONALITY, GETPID = 56, 16, 135, 39
 CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
@@ -117,3 +117,32 @@ def test_unknown_seccomp_names_are_refused(options, wrong):
     with pytest.raises(sandboxns.SandboxError) as caught:
         sandboxns.SeccompPolicy(**options)
     assert caught.value.code == "SANDBOX_INVALID_ARGUMENT" and wrong in caught.value.message
+
+
+async def test_no_set_id_file_can_be_made(session, workspace):
+    # A set-id file left in the workspace would run with its on-disk owner's
+    # rights on the host (root's, for a root host's backend sessions).
+    script = (
+        "import os\n"
+        "open('plain', 'w').close()\n"
+        "os.chmod('plain', 0o755)\n"
+        "print('chmod', 'ok')\n"
+        "for label, attempt in [\n"
+        "    ('chmod-suid', lambda: os.chmod('plain', 0o4755)),\n"
+        "    ('chmod-sgid', lambda: os.chmod('plain', 0o2755)),\n"
+        "    ('fchmod', lambda: os.fchmod(os.open('plain', os.O_RDONLY), 0o4755)),\n"
+        "    ('create', lambda: os.open('made', os.O_CREAT | os.O_WRONLY, 0o4755)),\n"
+        "    ('mknod', lambda: os.mknod('node', 0o100000 | 0o6755)),\n"
+        "]:\n"
+        "    try:\n"
+        "        attempt()\n"
+        "        print(label, 'allowed')\n"
+        "    except OSError as error:\n"
+        "        print(label, error.errno)\n"
+    )
+    result = await session.run("python3", ["-c", script])
+    assert result.stdout.splitlines() == [
+        "chmod ok", "chmod-suid 1", "chmod-sgid 1", "fchmod 1", "create 1", "mknod 1",
+    ], result  # fmt: skip
+    assert not (workspace / "made").exists() and not (workspace / "node").exists()
+    assert (workspace / "plain").stat().st_mode & 0o7777 == 0o755
