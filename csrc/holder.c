@@ -138,7 +138,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     cfg->commands.tmp_bytes = SBX_TMP_BYTES;
     cfg->outer_uid = getuid();
     cfg->outer_gid = getgid();
-    cfg->prepared = (struct prepared_trees){-1, -1, -1, -1, -1, -1};
+    cfg->prepared = (struct prepared_trees){-1, -1, -1, -1};
     cfg->hostname = "sandbox";
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
         switch (opt) {
@@ -216,12 +216,10 @@ static void reset_signals(void)
 /* The overlay's prepared layers, which the overlay holds on to by now. */
 static void close_prepared_layers(const struct prepared_trees *prepared)
 {
-    const int fds[] = {prepared->overlay_tree, prepared->overlay_lower, prepared->overlay_upper,
-                       prepared->overlay_work};
-
-    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
-        if (fds[i] >= 0)
-            close(fds[i]);
+    if (prepared->overlay_tree >= 0)
+        close(prepared->overlay_tree);
+    if (prepared->overlay_lower >= 0)
+        close(prepared->overlay_lower);
 }
 
 static volatile pid_t holder_pid;

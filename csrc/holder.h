@@ -32,7 +32,7 @@ struct extra_bind {
 struct prepared_trees {
     int workspace;     /* the workspace, without an overlay */
     int overlay_tree;  /* the directory holding the overlay's upper and work dirs */
-    int overlay_lower, overlay_upper, overlay_work; /* O_PATH fds of the layers */
+    int overlay_lower; /* the overlay's template */
     int gateway_socket;
 };
 

@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <libgen.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -73,26 +74,42 @@ static int clone_tree(struct plan *plan, const char *source, const char *target,
     return 0;
 }
 
-/* The overlay's layers: by path, or as the fds a root host prepared (Linux
- * 6.13 takes layers by fd). */
-static int set_layers(int fs, const struct holder_config *cfg)
+/* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
+ * "lowerdir" as a ':'-separated list. */
+static int set_layers(int fs, const char *lower, const char *upper, const char *work)
 {
-    const struct prepared_trees *prepared = &cfg->prepared;
-
-    if (prepared->overlay_lower >= 0)
-        return sys_fsconfig(fs, FSCONFIG_SET_FD, "lowerdir+", NULL, prepared->overlay_lower) < 0 ||
-                       sys_fsconfig(fs, FSCONFIG_SET_FD, "upperdir", NULL, prepared->overlay_upper) < 0 ||
-                       sys_fsconfig(fs, FSCONFIG_SET_FD, "workdir", NULL, prepared->overlay_work) < 0
-                   ? -1
-                   : 0;
-    /* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
-     * "lowerdir" as a ':'-separated list. */
-    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", cfg->overlay_lower, 0) < 0 &&
-         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", cfg->overlay_lower, 0) < 0) ||
-        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", cfg->workspace, 0) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", cfg->overlay_work, 0) < 0)
+    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", lower, 0) < 0 &&
+         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", lower, 0) < 0) ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", upper, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", work, 0) < 0)
         return -1;
     return 0;
+}
+
+/* overlayfs takes private clones of its layers' mounts, which it cannot make
+ * of detached trees: a root host's prepared layers (see userns.c) are
+ * attached for the moment on a scratch tmpfs, at NEW_ROOT, which is
+ * detached again once the overlay exists (and mounted afresh later to
+ * become the root). Nothing else is looked up under NEW_ROOT in between:
+ * on a root host every tree of the session's own was prepared. */
+#define LAYERS NEW_ROOT "/.layers"
+static int attach_prepared_layers(const struct holder_config *cfg, struct sbx_report *err)
+{
+    if (mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700") < 0 ||
+        mkdir(LAYERS, 0700) < 0 || mkdir(LAYERS "/lower", 0700) < 0 || mkdir(LAYERS "/upper", 0700) < 0)
+        return fail(err, "overlay", errno, "cannot make room for the overlay's layers: %s", strerror(errno));
+    if (sys_move_mount(cfg->prepared.overlay_lower, "", AT_FDCWD, LAYERS "/lower", MOVE_MOUNT_F_EMPTY_PATH) < 0 ||
+        sys_move_mount(cfg->prepared.overlay_tree, "", AT_FDCWD, LAYERS "/upper", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        return fail(err, "overlay", errno, "cannot attach the overlay's layers: %s", strerror(errno));
+    return 0;
+}
+
+static void layer_path(char *out, size_t size, const char *sibling)
+{
+    char copy[PATH_MAX];
+
+    snprintf(copy, sizeof copy, "%s", sibling);
+    snprintf(out, size, LAYERS "/upper/%s", basename(copy));
 }
 
 /* A session made from a template sees the template's files as the lower
@@ -104,14 +121,25 @@ static int set_layers(int fs, const struct holder_config *cfg)
 static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct sbx_report *err)
 {
     struct bind *bind = &plan->binds[plan->nbinds];
-    int fs, mnt;
+    const char *lower = cfg->overlay_lower, *upper = cfg->workspace, *work = cfg->overlay_work;
+    char prepared_upper[PATH_MAX], prepared_work[PATH_MAX];
+    int prepared = cfg->prepared.overlay_tree >= 0, fs, mnt;
 
     if (plan->nbinds == MAX_BINDS)
         return fail(err, "bind", E2BIG, "too many bind mounts");
+    if (prepared) {
+        if (attach_prepared_layers(cfg, err) < 0)
+            return -1;
+        layer_path(prepared_upper, sizeof prepared_upper, cfg->workspace);
+        layer_path(prepared_work, sizeof prepared_work, cfg->overlay_work);
+        lower = LAYERS "/lower";
+        upper = prepared_upper;
+        work = prepared_work;
+    }
     fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
     if (fs < 0)
         return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
-    if (set_layers(fs, cfg) < 0 || sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+    if (set_layers(fs, lower, upper, work) < 0 || sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
         sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
         int e = errno;
         close(fs);
@@ -119,6 +147,12 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
     }
     mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
     close(fs);
+    if (prepared && umount2(NEW_ROOT, MNT_DETACH) < 0) {
+        int e = errno;
+        if (mnt >= 0)
+            close(mnt);
+        return fail(err, "overlay", e, "cannot put the overlay's layers away: %s", strerror(e));
+    }
     if (mnt < 0)
         return fail(err, "overlay", errno, "cannot mount the overlay: %s", strerror(errno));
     snprintf(bind->target, sizeof bind->target, "workspace");
@@ -187,7 +221,7 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
     if (access("/etc/ld.so.cache", R_OK) == 0 &&
         clone_tree(plan, "/etc/ld.so.cache", "etc/ld.so.cache", RUNTIME_RO, -1, err) < 0)
         return -1;
-    if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_upper < 0 && !is_directory(cfg->workspace))
+    if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_tree < 0 && !is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
     if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
                            : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, cfg->prepared.workspace,

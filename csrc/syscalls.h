@@ -43,9 +43,6 @@
 #ifndef MOUNT_ATTR_IDMAP
 #define MOUNT_ATTR_IDMAP 0x00100000
 #endif
-#ifndef FSCONFIG_SET_FD
-#define FSCONFIG_SET_FD 5
-#endif
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
 #endif

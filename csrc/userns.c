@@ -52,25 +52,13 @@ static int prepare_tree(const char *path, uint64_t attrs, int idmap, int *out, s
     return 0;
 }
 
-static int open_layer(int tree, const char *path, int *out, struct sbx_report *err)
-{
-    char copy[PATH_MAX];
-    int fd;
-
-    snprintf(copy, sizeof copy, "%s", path);
-    fd = openat(tree, basename(copy), O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0 || keep_fd(fd, out) < 0)
-        return fail(err, "idmap", fd < 0 ? errno : -*out, "cannot open %s: %s", path,
-                    strerror(fd < 0 ? errno : -*out));
-    return 0;
-}
-
 /* A root host's part, before userns_enter (see idmap.c): clone every tree of
  * the session's own (workspace or overlay layers, extra binds, the gateway's
  * socket) so that the workspace owner's files appear as the guest's, then
  * become the unprivileged host user cfg->outer_uid/gid for good. The
  * overlay's upper and work directories must be siblings: both come from one
- * clone of their parent, as overlayfs wants them on one mount. */
+ * clone of their parent, as overlayfs wants them on one mount (rootfs.c
+ * finds them there by name). */
 int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
 {
     struct prepared_trees *prepared = &cfg->prepared;
@@ -93,8 +81,6 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
             goto out;
         }
         if (prepare_tree(parent, WORKSPACE_ATTRS, idmap, &prepared->overlay_tree, err) < 0 ||
-            open_layer(prepared->overlay_tree, cfg->workspace, &prepared->overlay_upper, err) < 0 ||
-            open_layer(prepared->overlay_tree, cfg->overlay_work, &prepared->overlay_work, err) < 0 ||
             prepare_tree(cfg->overlay_lower, RUNTIME_RO, idmap, &prepared->overlay_lower, err) < 0)
             goto out;
     } else if (prepare_tree(cfg->workspace, WORKSPACE_ATTRS, idmap, &prepared->workspace, err) < 0) {

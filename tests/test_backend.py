@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import trio
@@ -14,6 +15,8 @@ import sandboxns
 from sandboxns import ErrorCode, SandboxError
 
 pytestmark = pytest.mark.smoke
+
+KERNEL_HAS_OVERLAYFS = "overlay" in Path("/proc/filesystems").read_text().split()
 
 
 def tree(root) -> dict[str, bytes]:
@@ -315,4 +318,19 @@ async def test_a_pool_hands_out_only_default_confinement(backend):
     handle = await backend.create(template=template.template_key, confinement=confinement)
     result = await handle.session.run("sh", ["-c", "df -k /tmp | tail -n 1 | awk '{print $2}'"])
     assert result.stdout.split() == ["8192"]
+    await handle.delete()
+
+
+async def test_a_template_session_is_an_overlay_where_the_kernel_allows(backend):
+    # The copy fallback is silent by design; where the driver mounts
+    # overlays and the kernel has overlayfs (5.11+ mounts it in a user
+    # namespace), on a root host or not, it must not have been taken.
+    if not backend._driver_class.supports_overlay or not KERNEL_HAS_OVERLAYFS:
+        pytest.skip("no overlay workspaces with this driver or kernel")
+    template = await backend.prewarm(template="t", files={"a": b"1"})
+    handle = await backend.create(template=template.template_key)
+    description = json.loads((backend.state_directory / "sessions" / handle.session_id / "session.json").read_text())
+    assert description["layout"] == "overlay" and backend._overlay
+    await handle.session.run("sh", ["-c", "echo changed > a"])  # a copy-up
+    assert await handle.session.read_text_file("a") == "changed\n"
     await handle.delete()
