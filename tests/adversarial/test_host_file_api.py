@@ -94,15 +94,22 @@ def release_fifos(workspace: Path) -> None:
 @contextlib.asynccontextmanager
 async def never_blocked(workspace: Path, seconds: float = 10):
     """Fail, rather than hang, if the host blocks opening a guest's FIFO:
-    past ``seconds`` the block is cancelled and, until it has ended, the
-    workspace's FIFOs are released over and over (a host thread blocked in
-    open() cannot be cancelled otherwise). A deadline, not synchronisation:
-    the block must end long before it."""
+    ``seconds`` after the block began, or after the last call of the
+    function it yields (a long loop calls it as it goes), the block is
+    cancelled and, until it has ended, the workspace's FIFOs are released
+    over and over (a host thread blocked in open() cannot be cancelled
+    otherwise). A deadline, not synchronisation: the block must end long
+    before it."""
     stuck, done = [], trio.Event()
     message = f"a host file operation blocked for {seconds}s on a FIFO the guest made"
+    last_progress = [trio.current_time()]
+
+    def progressed() -> None:
+        last_progress[0] = trio.current_time()
 
     async def watchdog(body: trio.CancelScope) -> None:
-        await trio.sleep(seconds)
+        while (idle := trio.current_time() - last_progress[0]) < seconds:
+            await trio.sleep(seconds - idle)
         stuck.append(True)
         body.cancel()
         with trio.CancelScope(shield=True):
@@ -114,7 +121,7 @@ async def never_blocked(workspace: Path, seconds: float = 10):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watchdog, nursery.cancel_scope)
         try:
-            yield
+            yield progressed
         except Exception as exc:  # what a released operation then did is beside the point
             if stuck:
                 raise AssertionError(message) from exc
@@ -339,8 +346,9 @@ async def test_fifos_swapped_in_during_a_recursive_remove_never_block_it(session
     fds = open_fds()
     async with trio.open_nursery() as nursery:
         await start_guest(session, workspace, nursery, FIFO_SWAPPER)
-        async with never_blocked(workspace):
+        async with never_blocked(workspace) as progressed:
             for turn in range(MAX_ROUNDS):
+                progressed()
                 if turn >= MIN_ROUNDS and all(outcomes[key] for key in SEEN_FIFO_RACE):
                     break
                 for _ in range(3):  # what the race is mostly about

@@ -167,3 +167,15 @@ async def test_a_guest_holds_no_host_fd_beyond_its_stdio(session):
     # (control sockets, bwrap's argument, status and seccomp fds) stays there.
     result = await session.run("sh", ["-c", "ls /proc/$$/fd"], stdin=b"")
     assert result.stdout.split() == ["0", "1", "2"], result
+
+
+async def test_ten_gigabytes_of_output_are_bounded(session):
+    # Read and dropped past the cap: the command never blocks on a full
+    # pipe, and the host keeps the cap's worth, not the stream.
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = await session.run(
+        "sh", ["-c", "head -c 10G /dev/zero; echo done >&2"], max_output_bytes=1 << 20, timeout=120
+    )
+    assert result.exit_code == 0 and result.truncated and not result.timed_out, result
+    assert len(result.stdout_bytes) + len(result.stderr_bytes) == 1 << 20
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 64 * 1024  # KiB
