@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import trio
 
 from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
 from ._driver import Mount, OverlayUnavailable, check_mounts
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._lease import Lease, is_locked
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
@@ -54,10 +55,6 @@ STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 # A session.json is a few hundred bytes; a much larger one is not ours.
 MAX_DESCRIPTION_BYTES = 64 * 1024
-
-
-def _invalid(message: str) -> SandboxError:
-    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
 
 
 class CommandSlots:
@@ -448,24 +445,24 @@ class Backend:
         policy = check_network_policy(network)
         extra = check_mounts(mounts)
         if confinement is not None and state is not None:
-            raise _invalid("confinement is given when a session is created; a resumed session keeps its own")
+            raise invalid_argument("confinement is given when a session is created; a resumed session keeps its own")
         confinement = check_confinement(confinement)
         for mount in extra:
             self._refuse_state_overlap(Path(mount.host), "mount")
         if extra and state is not None:
-            raise _invalid("mounts are given when a session is created; a resumed session keeps its own")
+            raise invalid_argument("mounts are given when a session is created; a resumed session keeps its own")
         if idle_timeout is not None:
             idle_timeout = check_seconds(idle_timeout, "idle_timeout")
         if not isinstance(destroy_on_close, bool):
-            raise _invalid(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
+            raise invalid_argument(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
         if state is not None:
             handle = await self._resume(state, template, workspace, policy)
         elif workspace is not None:
             if template is not None:
-                raise _invalid("give either template= or workspace=, not both")
+                raise invalid_argument("give either template= or workspace=, not both")
             handle = await self._create_bound(workspace, policy, extra, confinement)
         elif template is None:
-            raise _invalid("create() needs template=, workspace= or state=")
+            raise invalid_argument("create() needs template=, workspace= or state=")
         else:
             handle = await self._create_from_template(check_key(template), policy, extra, confinement)
         handle.destroy_on_close = destroy_on_close
@@ -515,7 +512,7 @@ class Backend:
         confinement: Confinement,
     ) -> SessionHandle:
         if not isinstance(workspace, (str, os.PathLike)):
-            raise _invalid(f"workspace must be a path, not {type(workspace).__name__}")
+            raise invalid_argument(f"workspace must be a path, not {type(workspace).__name__}")
         path = Path(workspace).resolve()
         if not path.is_dir():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
@@ -563,12 +560,12 @@ class Backend:
 
     async def _resume(self, state: object, template: object, workspace: object, policy: NetworkPolicy) -> SessionHandle:
         if not isinstance(state, Mapping):
-            raise _invalid(f"state must be the dict capture_state() returned, not {type(state).__name__}")
+            raise invalid_argument(f"state must be the dict capture_state() returned, not {type(state).__name__}")
         if state.get("format") != STATE_FORMAT or not isinstance(state.get("session"), str):
-            raise _invalid("state is not a sandboxns session descriptor (see capture_state())")
+            raise invalid_argument("state is not a sandboxns session descriptor (see capture_state())")
         session_id = state["session"]
         if not SESSION_ID_PATTERN.fullmatch(session_id):
-            raise _invalid(f"state names an invalid session id {session_id!r}")
+            raise invalid_argument(f"state names an invalid session id {session_id!r}")
         if state.get("backend") != self.name:
             raise SandboxError(
                 ErrorCode.SANDBOX_STATE_MISMATCH,
@@ -658,16 +655,17 @@ class Backend:
             await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
             overlay = (self._templates.files_of(description["template"]), scratch)
+        start = functools.partial(
+            self._driver_class.start,
+            workspace,
+            network=policy,
+            lease=lease,
+            gateway_socket=gateway_socket,
+            mounts=mounts,
+            confinement=confinement,
+        )
         try:
-            return await self._driver_class.start(
-                workspace,
-                network=policy,
-                overlay=overlay,
-                lease=lease,
-                gateway_socket=gateway_socket,
-                mounts=mounts,
-                confinement=confinement,
-            )
+            return await start(overlay=overlay)
         except OverlayUnavailable:
             if not new:
                 raise
@@ -678,14 +676,7 @@ class Backend:
         await trio.to_thread.run_sync(remove_tree, session_dir / "overlay-work")
         await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
-        return await self._driver_class.start(
-            workspace,
-            network=policy,
-            lease=lease,
-            gateway_socket=gateway_socket,
-            mounts=mounts,
-            confinement=confinement,
-        )
+        return await start()
 
     def audit_records(self, buffer: int = 1000):
         """An async context manager giving a stream of the gateway's audit
@@ -702,7 +693,7 @@ class Backend:
         self._check_open()
         key = check_key(template)
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
-            raise _invalid(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
+            raise invalid_argument(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         pool = self._pools.get(key)
@@ -752,7 +743,7 @@ def stored_session_state(state_directory: str | os.PathLike[str], session_id: st
     session ``session_id`` stored in ``state_directory``; names its backend,
     so a caller knows which driver to open the backend with."""
     if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
-        raise _invalid(f"{session_id!r} is not a session id (32 hex digits)")
+        raise invalid_argument(f"{session_id!r} is not a session id (32 hex digits)")
     description = read_description(Path(state_directory), session_id)
     return {
         "format": STATE_FORMAT,
@@ -771,7 +762,7 @@ def default_state_directory() -> Path:
 
 def _check_limit(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENT_COMMANDS_LIMIT:
-        raise _invalid(
+        raise invalid_argument(
             f"max_concurrent_commands must be an integer from 1 to {MAX_CONCURRENT_COMMANDS_LIMIT}, not {value!r}"
         )
     return value
@@ -794,9 +785,9 @@ async def open_backend(
     driver_class(driver)
     limit = _check_limit(max_concurrent_commands)
     if on_broker_error is not None and not callable(on_broker_error):
-        raise _invalid("on_broker_error must be a callable or None")
+        raise invalid_argument("on_broker_error must be a callable or None")
     if not isinstance(state_directory, (str, os.PathLike)) or not str(state_directory):
-        raise _invalid(f"state_directory must be a path, not {state_directory!r}")
+        raise invalid_argument(f"state_directory must be a path, not {state_directory!r}")
     root = Path(state_directory).absolute()
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -805,7 +796,7 @@ async def open_backend(
     except OSError as exc:
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot use state directory {root}: {exc}") from None
     if upstream_ssl_context is not None and not isinstance(upstream_ssl_context, ssl.SSLContext):
-        raise _invalid("upstream_ssl_context must be an ssl.SSLContext or None")
+        raise invalid_argument("upstream_ssl_context must be an ssl.SSLContext or None")
     async with service_nursery() as nursery:
         backend = Backend(driver, root, limit, GatewayHub(upstream_ssl_context, on_broker_error), nursery)
         try:

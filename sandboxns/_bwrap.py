@@ -475,6 +475,7 @@ class BwrapDriver(HostWorkspaceIO):
         self._mounts = extra
         self.confinement = checked_confinement
         self._seccomp_program = checked_confinement.seccomp.program()
+        self._default_rlimits = checked_confinement.limits.exec_argument()
         self._lease = lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
@@ -486,8 +487,9 @@ class BwrapDriver(HostWorkspaceIO):
         self._sources = (self.workspace, extra)
         self._cgroup = None
         self._root_host = None
-        # Each bwrap starts through `sandboxns-holder --enter` with these
-        # options and fds when the session has a cgroup or a root host.
+        # Each bwrap starts through `sandboxns-holder --enter` (this command
+        # line's start) with these fds when the session has a cgroup or a
+        # root host.
         self._enter: list[str] = []
         self._enter_fds: list[int] = []
         try:
@@ -506,6 +508,8 @@ class BwrapDriver(HostWorkspaceIO):
                 self._fs_ids = self._root_host.owner_ids
                 self._enter += [f"--mount-ns={self._root_host.mount_ns}", "--user={}:{}".format(*host_ids)]
                 self._enter_fds += [self._root_host.mount_ns, self._root_host.userns]
+            if self._enter:
+                self._enter = [str(HOLDER_PATH), "--enter", *self._enter, "--"]
             self._configure(policy, gateway_socket)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
@@ -593,9 +597,7 @@ class BwrapDriver(HostWorkspaceIO):
         limits: ResourceLimits | None = None,
     ) -> BwrapProcess:
         self._check_usable()
-        rlimits = ",".join(
-            "-" if value == _ffi.RLIMIT_INHERIT else str(value) for value in (limits or self.confinement.limits).slots()
-        )
+        rlimits = self._default_rlimits if limits is None else limits.exec_argument()
         arguments = [*self._plan, "--chdir", cwd]
         for key, value in env.items():
             arguments += ["--setenv", key, value]
@@ -622,13 +624,12 @@ class BwrapDriver(HostWorkspaceIO):
             on_failure.callback(pipes.close)
             cleanup.callback(pipes.close_child_ends)
             stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
-            enter = [str(HOLDER_PATH), "--enter", *self._enter, "--"] if self._enter else []
             try:
                 # Popen from trio's own thread, not a worker: bwrap's
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
-                    [*enter, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
+                    [*self._enter, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
                     + [GUEST_EXEC, "--exec", str(exec_write), rlimits, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 
 # cpu.max's period: the quota is CPUs x this many microseconds.
 CPU_PERIOD_US = 100_000
@@ -43,21 +43,15 @@ class CgroupLimits:
 
     def __post_init__(self) -> None:
         if not isinstance(self.parent, (str, os.PathLike)) or not os.path.isabs(self.parent):
-            raise SandboxError(
-                ErrorCode.SANDBOX_INVALID_ARGUMENT, f"cgroup parent must be an absolute path, not {self.parent!r}"
-            )
+            raise invalid_argument(f"cgroup parent must be an absolute path, not {self.parent!r}")
         object.__setattr__(self, "parent", os.fspath(self.parent))
         for name in ("memory_max", "pids_max"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SandboxError(
-                    ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be a positive integer or None, not {value!r}"
-                )
+                raise invalid_argument(f"{name} must be a positive integer or None, not {value!r}")
         cpus = self.cpu_max
         if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus):
-            raise SandboxError(
-                ErrorCode.SANDBOX_INVALID_ARGUMENT, f"cpu_max must be a number of CPUs of at least 0.01, not {cpus!r}"
-            )
+            raise invalid_argument(f"cpu_max must be a number of CPUs of at least 0.01, not {cpus!r}")
 
     def settings(self) -> dict[str, str]:
         """The files to write in a session's cgroup, by controller file."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 from . import _ffi
 from ._cgroup import CgroupLimits
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 
 DEFAULT_PROCESSES = 1024
 MAX_TMP_SIZE = 1 << 40
@@ -26,10 +26,6 @@ _HOST_RESOURCES = {
     "open_files": resource.RLIMIT_NOFILE,
     "processes": resource.RLIMIT_NPROC,
 }
-
-
-def _invalid(message: str) -> SandboxError:
-    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True)
@@ -63,7 +59,7 @@ class ResourceLimits:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _invalid(f"resource limit {slot.name} must be a positive integer or None, not {value!r}")
+                raise invalid_argument(f"resource limit {slot.name} must be a positive integer or None, not {value!r}")
             _, host_hard = resource.getrlimit(_HOST_RESOURCES[slot.name])
             if host_hard != resource.RLIM_INFINITY and value > host_hard:
                 raise SandboxError(
@@ -76,10 +72,10 @@ class ResourceLimits:
         """From a mapping of field names (stored state, a spec); refuses
         unknown names."""
         if not isinstance(values, Mapping):
-            raise _invalid(f"resource limits must be a mapping, not {type(values).__name__}")
+            raise invalid_argument(f"resource limits must be a mapping, not {type(values).__name__}")
         unknown = set(values) - {slot.name for slot in fields(cls)}
         if unknown:
-            raise _invalid(f"unknown resource limits: {', '.join(sorted(map(str, unknown)))}")
+            raise invalid_argument(f"unknown resource limits: {', '.join(sorted(map(str, unknown)))}")
         return cls(**values)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, int | None]:
@@ -93,6 +89,11 @@ class ResourceLimits:
             if value is not None:
                 values[slot] = value
         return values
+
+    def exec_argument(self) -> str:
+        """The same for ``sandboxns-holder --exec`` (csrc/limits.c):
+        comma-separated, "-" for a limit left alone."""
+        return ",".join("-" if value == _ffi.RLIMIT_INHERIT else str(value) for value in self.slots())
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,12 @@ class SeccompPolicy:
         object.__setattr__(self, "deny", _names(self.deny, "seccomp deny"))
         unknown = self.allow - set(_ffi.SECCOMP_GROUPS)
         if unknown:
-            raise _invalid(
+            raise invalid_argument(
                 f"unknown seccomp groups {', '.join(sorted(unknown))}; the groups are " + ", ".join(_ffi.SECCOMP_GROUPS)
             )
         unknown = {name for name in self.deny if _ffi.syscall_number(name) is None}
         if unknown:
-            raise _invalid(f"unknown syscalls {', '.join(sorted(unknown))} (names as in <sys/syscall.h>)")
+            raise invalid_argument(f"unknown syscalls {', '.join(sorted(unknown))} (names as in <sys/syscall.h>)")
         if len(self.deny) > _ffi.SECCOMP_MAX_EXTRA:
             raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"at most {_ffi.SECCOMP_MAX_EXTRA} extra seccomp denials")
 
@@ -137,10 +138,10 @@ class SeccompPolicy:
 
 def _names(value: object, what: str) -> frozenset[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise _invalid(f"{what} must be a collection of names, not {value!r}")
+        raise invalid_argument(f"{what} must be a collection of names, not {value!r}")
     names = frozenset(value)
     if not all(isinstance(name, str) for name in names):
-        raise _invalid(f"{what} must name things with strings: {sorted(map(repr, names))}")
+        raise invalid_argument(f"{what} must name things with strings: {sorted(map(repr, names))}")
     return names
 
 
@@ -160,14 +161,14 @@ class Confinement:
 
     def __post_init__(self) -> None:
         if not isinstance(self.limits, ResourceLimits):
-            raise _invalid(f"limits must be a sandboxns.ResourceLimits, not {self.limits!r}")
+            raise invalid_argument(f"limits must be a sandboxns.ResourceLimits, not {self.limits!r}")
         if not isinstance(self.seccomp, SeccompPolicy):
-            raise _invalid(f"seccomp must be a sandboxns.SeccompPolicy, not {self.seccomp!r}")
+            raise invalid_argument(f"seccomp must be a sandboxns.SeccompPolicy, not {self.seccomp!r}")
         if self.cgroup is not None and not isinstance(self.cgroup, CgroupLimits):
-            raise _invalid(f"cgroup must be a sandboxns.CgroupLimits or None, not {self.cgroup!r}")
+            raise invalid_argument(f"cgroup must be a sandboxns.CgroupLimits or None, not {self.cgroup!r}")
         size = self.tmp_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 << 20 <= size <= MAX_TMP_SIZE:
-            raise _invalid(f"tmp_size must be an integer number of bytes from 1 MiB to 1 TiB, not {size!r}")
+            raise invalid_argument(f"tmp_size must be an integer number of bytes from 1 MiB to 1 TiB, not {size!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object]) -> Confinement:
@@ -175,7 +176,7 @@ class Confinement:
         seccomp = values.get("seccomp", {})
         cgroup = values.get("cgroup")
         if not isinstance(seccomp, Mapping) or not isinstance(cgroup, (Mapping, type(None))):
-            raise _invalid("confinement.seccomp and confinement.cgroup must be mappings")
+            raise invalid_argument("confinement.seccomp and confinement.cgroup must be mappings")
         return cls(
             limits=ResourceLimits.from_dict(values.get("limits", {})),  # type: ignore[arg-type]
             tmp_size=values.get("tmp_size", _ffi.TMP_BYTES),  # type: ignore[arg-type]
@@ -204,7 +205,7 @@ def _stored_cgroup(values: Mapping[str, object]) -> CgroupLimits:
     try:
         return CgroupLimits(**values)  # type: ignore[arg-type]
     except TypeError as exc:
-        raise _invalid(f"confinement.cgroup: {exc}") from None
+        raise invalid_argument(f"confinement.cgroup: {exc}") from None
 
 
 DEFAULT_CONFINEMENT = Confinement()
@@ -214,5 +215,5 @@ def check_confinement(value: object) -> Confinement:
     if value is None:
         return DEFAULT_CONFINEMENT
     if not isinstance(value, Confinement):
-        raise _invalid(f"confinement must be a sandboxns.Confinement, not {value!r}")
+        raise invalid_argument(f"confinement must be a sandboxns.Confinement, not {value!r}")
     return value

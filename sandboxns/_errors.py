@@ -38,3 +38,8 @@ class SandboxError(Exception):
         super().__init__(f"{code.value}: {message}")
         self.code = ErrorCode(code)
         self.message = message
+
+
+def invalid_argument(message: str) -> SandboxError:
+    """The SANDBOX_INVALID_ARGUMENT refusal, the most common one."""
+    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)

@@ -176,6 +176,7 @@ class NativeDriver(HostWorkspaceIO):
         self = object.__new__(cls)
         self.workspace = workspace_path
         self.confinement = checked_confinement
+        self._default_rlimits = checked_confinement.limits.slots()
         self._base_argv = [
             str(HOLDER_PATH),
             f"--uid={uid}",
@@ -339,7 +340,7 @@ class NativeDriver(HostWorkspaceIO):
     ) -> NativeProcess:
         self._check_usable()
         try:
-            request = _ffi.encode_request(cwd, argv, env, (limits or self.confinement.limits).slots())
+            request = _ffi.encode_request(cwd, argv, env, self._default_rlimits if limits is None else limits.slots())
         except ValueError as exc:
             raise SandboxError(ErrorCode.SANDBOX_LIMIT, str(exc)) from None
         pipes = CommandPipes(output, stdin)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from ._errors import ErrorCode, SandboxError
+from ._errors import invalid_argument
 
 PolicyKind = Literal["deny-all", "allow-all", "allow"]
 GUEST_SOCKET = "/run/sandboxns-network.sock"
@@ -32,10 +32,6 @@ FORBIDDEN_HEADERS = frozenset(
     {"host", "connection", "content-length", "transfer-encoding", "te", "trailer", "upgrade", "keep-alive"}
 )
 CREDENTIAL_HEADERS = frozenset({"cookie", "authorization", "proxy-authorization"})
-
-
-def _invalid(message: str) -> SandboxError:
-    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True)
@@ -70,23 +66,23 @@ def parse_origin(text: object, what: str = "origin") -> Origin:
     """``scheme://host[:port]`` with nothing else; refuses anything that is
     not exactly an origin."""
     if not isinstance(text, str) or not text or any(c in text for c in "\0\r\n\t \\"):
-        raise _invalid(f"{what} must be an origin like 'https://api.example.com', not {text!r}")
+        raise invalid_argument(f"{what} must be an origin like 'https://api.example.com', not {text!r}")
     try:
         parts = urlsplit(text)
         port = parts.port
     except ValueError as exc:
-        raise _invalid(f"{what} {text!r} is not a valid origin: {exc}") from None
+        raise invalid_argument(f"{what} {text!r} is not a valid origin: {exc}") from None
     if parts.scheme not in DEFAULT_PORTS:
-        raise _invalid(f"{what} {text!r} must use http or https")
+        raise invalid_argument(f"{what} {text!r} must use http or https")
     if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-        raise _invalid(f"{what} {text!r} must not contain user information")
+        raise invalid_argument(f"{what} {text!r} must not contain user information")
     if parts.path not in ("", "/") or parts.query or parts.fragment or text.endswith(("?", "#")):
-        raise _invalid(f"{what} {text!r} must not have a path, query or fragment")
+        raise invalid_argument(f"{what} {text!r} must not have a path, query or fragment")
     host = parts.hostname or ""
     if not host or "*" in host or not re.fullmatch(r"[A-Za-z0-9.\-:_]+", host) or host.startswith("."):
-        raise _invalid(f"{what} {text!r} must name one host (no wildcards)")
+        raise invalid_argument(f"{what} {text!r} must name one host (no wildcards)")
     if port == 0:
-        raise _invalid(f"{what} {text!r} has an invalid port")
+        raise invalid_argument(f"{what} {text!r} has an invalid port")
     return Origin(parts.scheme, canonical_host(host), port if port is not None else DEFAULT_PORTS[parts.scheme])
 
 
@@ -142,26 +138,28 @@ def _check_headers(headers: object, where: str) -> tuple[tuple[str, str], ...]:
     if headers is None:
         return ()
     if not isinstance(headers, Mapping):
-        raise _invalid(f"{where}.headers must map header names to values")
+        raise invalid_argument(f"{where}.headers must map header names to values")
     checked: dict[str, str] = {}
     for name, value in headers.items():
         problem = header_name_problem(name)
         if problem is not None:
-            raise _invalid(f"{where}.headers: {problem}")
+            raise invalid_argument(f"{where}.headers: {problem}")
         lower = name.lower()
         if lower in checked:
-            raise _invalid(f"{where}.headers: {name!r} is given twice")
+            raise invalid_argument(f"{where}.headers: {name!r} is given twice")
         # The value is a credential: say what is wrong with it, never what it is.
         if not isinstance(value, str):
-            raise _invalid(f"{where}.headers[{name!r}] must be a string")
+            raise invalid_argument(f"{where}.headers[{name!r}] must be a string")
         if any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in value):
-            raise _invalid(f"{where}.headers[{name!r}] contains a control character (CR, LF, NUL, ...)")
+            raise invalid_argument(f"{where}.headers[{name!r}] contains a control character (CR, LF, NUL, ...)")
         if value != value.strip(" \t"):
-            raise _invalid(f"{where}.headers[{name!r}] starts or ends with white space, which HTTP does not allow")
+            raise invalid_argument(
+                f"{where}.headers[{name!r}] starts or ends with white space, which HTTP does not allow"
+            )
         try:
             value.encode("latin-1")
         except UnicodeEncodeError:
-            raise _invalid(f"{where}.headers[{name!r}] has characters HTTP headers cannot carry") from None
+            raise invalid_argument(f"{where}.headers[{name!r}] has characters HTTP headers cannot carry") from None
         checked[lower] = value
     return tuple(checked.items())
 
@@ -176,23 +174,23 @@ def check_network_policy(policy: object) -> NetworkPolicy:
     if policy == "allow-all":
         return NetworkPolicy("allow-all")
     if not isinstance(policy, Mapping):
-        raise _invalid(f"network policy must be 'deny-all', 'allow-all' or {{'allow': [...]}}, not {policy!r}")
+        raise invalid_argument(f"network policy must be 'deny-all', 'allow-all' or {{'allow': [...]}}, not {policy!r}")
     unknown = set(policy) - {"allow"}
     if unknown:
-        raise _invalid(f"network policy has unknown keys {sorted(map(str, unknown))}; only 'allow' is known")
+        raise invalid_argument(f"network policy has unknown keys {sorted(map(str, unknown))}; only 'allow' is known")
     entries = policy.get("allow")
     if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple)):
-        raise _invalid("network policy 'allow' must be a list of {'origin': ..., 'headers': {...}}")
+        raise invalid_argument("network policy 'allow' must be a list of {'origin': ..., 'headers': {...}}")
     allowed: list[AllowedOrigin] = []
     for index, entry in enumerate(entries):
         where = f"allow[{index}]"
         if not isinstance(entry, Mapping):
-            raise _invalid(f"{where} must be a mapping with 'origin' and optional 'headers'")
+            raise invalid_argument(f"{where} must be a mapping with 'origin' and optional 'headers'")
         extra = set(entry) - {"origin", "headers"}
         if extra:
-            raise _invalid(f"{where} has unknown keys {sorted(map(str, extra))}")
+            raise invalid_argument(f"{where} has unknown keys {sorted(map(str, extra))}")
         origin = parse_origin(entry.get("origin"), f"{where}.origin")
         if any(existing.origin == origin for existing in allowed):
-            raise _invalid(f"{where}.origin {str(origin)!r} is allowed twice")
+            raise invalid_argument(f"{where}.origin {str(origin)!r} is allowed twice")
         allowed.append(AllowedOrigin(origin, _check_headers(entry.get("headers"), where)))
     return NetworkPolicy("allow", tuple(allowed))

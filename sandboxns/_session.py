@@ -22,7 +22,7 @@ import trio
 
 from ._confinement import ResourceLimits
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import WORKSPACE, DirEntry
 from ._network import NetworkPolicy, check_network_policy
 from ._pump import OutputSink
@@ -48,15 +48,11 @@ DEFAULT_ENV: Mapping[str, str] = {
 CANCEL_GRACE = 1.0
 
 
-def _invalid(message: str) -> SandboxError:
-    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
-
-
 def normalize_path(path: object) -> str:
     """Return the canonical guest path (``/workspace/...``) for a
     workspace-relative or ``/workspace/...`` path; refuse anything else."""
     if not isinstance(path, str):
-        raise _invalid(f"a path must be a string, not {type(path).__name__}")
+        raise invalid_argument(f"a path must be a string, not {type(path).__name__}")
     if not path or "\0" in path:
         raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"invalid path {path!r}")
     joined = path if path.startswith("/") else f"{WORKSPACE}/{path}"
@@ -70,20 +66,20 @@ def normalize_path(path: object) -> str:
 
 def _check_string(value: object, what: str) -> str:
     if not isinstance(value, str):
-        raise _invalid(f"{what} must be a string, not {type(value).__name__}")
+        raise invalid_argument(f"{what} must be a string, not {type(value).__name__}")
     if "\0" in value:
-        raise _invalid(f"{what} must not contain NUL characters")
+        raise invalid_argument(f"{what} must not contain NUL characters")
     return value
 
 
 def _check_env(env: object) -> dict[str, str]:
     if not isinstance(env, Mapping):
-        raise _invalid(f"env must be a mapping of strings, not {type(env).__name__}")
+        raise invalid_argument(f"env must be a mapping of strings, not {type(env).__name__}")
     checked = {}
     for key, value in env.items():
         _check_string(key, "an environment variable name")
         if not key or "=" in key:
-            raise _invalid(f"invalid environment variable name {key!r}")
+            raise invalid_argument(f"invalid environment variable name {key!r}")
         checked[key] = _check_string(value, f"environment variable {key}")
     return checked
 
@@ -91,7 +87,7 @@ def _check_env(env: object) -> dict[str, str]:
 def check_seconds(value: object, what: str = "timeout") -> float:
     """A positive, finite number of seconds, or SANDBOX_INVALID_ARGUMENT."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _invalid(f"{what} must be a positive number of seconds, not {value!r}")
+        raise invalid_argument(f"{what} must be a positive number of seconds, not {value!r}")
     return float(value)
 
 
@@ -101,9 +97,9 @@ def check_command(
     """Validate a command's arguments; returns (argv, env, guest cwd, timeout)."""
     _check_string(executable, "executable")
     if not executable:
-        raise _invalid("executable must not be empty")
+        raise invalid_argument("executable must not be empty")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise _invalid("args must be a sequence of strings")
+        raise invalid_argument("args must be a sequence of strings")
     argv = [executable, *(_check_string(arg, "each argument") for arg in args)]
     checked_env = dict(DEFAULT_ENV) if env is None else _check_env(env)
     guest_cwd = WORKSPACE if cwd is None else normalize_path(cwd)
@@ -250,7 +246,7 @@ class Session:
             ("max_file_bytes", max_file_bytes, MAX_FILE_BYTES_LIMIT),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-                raise _invalid(f"{name} must be an integer from 1 to {most}, not {value!r}")
+                raise invalid_argument(f"{name} must be an integer from 1 to {most}, not {value!r}")
         if checked_env is not None:
             self.environment = checked_env
         if checked_timeout is not None:
@@ -315,7 +311,7 @@ class Session:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise _invalid(
+            raise invalid_argument(
                 f"{normalize_path(path)} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset"
                 f" {exc.start}); read it with read_file() for the raw bytes"
             ) from None
@@ -326,7 +322,7 @@ class Session:
         if isinstance(data, (bytearray, memoryview)):
             data = bytes(data)
         if not isinstance(data, bytes):
-            raise _invalid(f"data must be bytes, not {type(data).__name__}")
+            raise invalid_argument(f"data must be bytes, not {type(data).__name__}")
         if len(data) > self.max_file_bytes:
             raise SandboxError(
                 ErrorCode.SANDBOX_LIMIT, f"{len(data)} bytes is over the {self.max_file_bytes}-byte limit"
@@ -336,7 +332,7 @@ class Session:
 
     async def write_text_file(self, path: str, text: str) -> None:
         if not isinstance(text, str):
-            raise _invalid(f"text must be a string, not {type(text).__name__}")
+            raise invalid_argument(f"text must be a string, not {type(text).__name__}")
         await self.write_file(path, text.encode("utf-8"))
 
     async def list_dir(self, path: str = ".") -> list[DirEntry]:
@@ -387,15 +383,15 @@ class Session:
         if max_output_bytes is None:
             max_output_bytes = self.max_output_bytes
         if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
-            raise _invalid(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
+            raise invalid_argument(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
         if isinstance(stdin, str):
             stdin = stdin.encode("utf-8")
         elif isinstance(stdin, (bytearray, memoryview)):
             stdin = bytes(stdin)
         elif stdin is not None and not isinstance(stdin, bytes):
-            raise _invalid(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
+            raise invalid_argument(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
         if resource_limits is not None and not isinstance(resource_limits, ResourceLimits):
-            raise _invalid(f"resource_limits must be a sandboxns.ResourceLimits, not {resource_limits!r}")
+            raise invalid_argument(f"resource_limits must be a sandboxns.ResourceLimits, not {resource_limits!r}")
 
         return await self._execute(
             argv,

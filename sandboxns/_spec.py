@@ -512,37 +512,33 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
 
 def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[str, Any]) -> Confinement:
     """The rlimits, /tmp size and seccomp changes of ``limits`` and
-    ``seccomp``; each problem is reported under its own field."""
-    resource_limits = {}
-    for name in _RESOURCE_LIMITS:
-        if name in limits:
-            value = c.number(limits[name], f"limits.{name}", integer=True, minimum=1, maximum=2**63 - 1)
-            try:
-                ResourceLimits(**{name: value})
-            except SandboxError as exc:
-                c.problem(f"limits.{name}", exc.message)
-            else:
-                resource_limits[name] = value
-    tmp_size = Confinement().tmp_size
-    if "tmp_size" in limits:
-        checked = c.number(limits["tmp_size"], "limits.tmp_size", integer=True, minimum=1, maximum=2**63 - 1)
+    ``seccomp``; each problem is reported under its own field, once."""
+
+    def accepted(field: str, make: Callable[..., object], **options: Any) -> bool:
         try:
-            tmp_size = Confinement(tmp_size=checked).tmp_size
+            make(**options)
         except SandboxError as exc:
-            c.problem("limits.tmp_size", exc.message)
+            c.problem(field, exc.message)
+            return False
+        return True
+
+    options: dict[str, Any] = {}
+    for name in (*_RESOURCE_LIMITS, "tmp_size"):
+        if name in limits:
+            field = f"limits.{name}"
+            value = c.number(limits[name], field, integer=True, minimum=1, maximum=2**63 - 1)
+            make = Confinement if name == "tmp_size" else ResourceLimits
+            if value is not None and accepted(field, make, **{name: value}):
+                options[name] = value
     names = {}
     for key in ("allow", "deny"):
         value = seccomp.get(key, [])
         if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
             c.problem(f"seccomp.{key}", f"must be a list of names, not {_short(value)}")
-            continue
-        try:
-            SeccompPolicy(**{key: value})
-        except SandboxError as exc:
-            c.problem(f"seccomp.{key}", exc.message)
-        else:
+        elif accepted(f"seccomp.{key}", SeccompPolicy, **{key: value}):
             names[key] = value
-    return Confinement(limits=ResourceLimits(**resource_limits), tmp_size=tmp_size, seccomp=SeccompPolicy(**names))
+    tmp_size = options.pop("tmp_size", Confinement().tmp_size)
+    return Confinement(limits=ResourceLimits(**options), tmp_size=tmp_size, seccomp=SeccompPolicy(**names))
 
 
 def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:

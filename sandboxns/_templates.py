@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import WORKSPACE
 from ._session import normalize_path
 
@@ -46,17 +46,15 @@ class Template:
     file_count: int
 
 
-def _invalid(message: str) -> SandboxError:
-    return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, message)
-
-
 def check_template_files(name: object, files: object) -> tuple[str, dict[str, bytes]]:
     """Validate prewarm's arguments; returns the name and the files keyed by
     workspace-relative path."""
     if not isinstance(name, str) or not name or len(name) > MAX_TEMPLATE_NAME or "\0" in name:
-        raise _invalid(f"template must be a non-empty name of at most {MAX_TEMPLATE_NAME} characters, not {name!r}")
+        raise invalid_argument(
+            f"template must be a non-empty name of at most {MAX_TEMPLATE_NAME} characters, not {name!r}"
+        )
     if not isinstance(files, Mapping):
-        raise _invalid(f"files must map workspace paths to bytes, not {type(files).__name__}")
+        raise invalid_argument(f"files must map workspace paths to bytes, not {type(files).__name__}")
     checked: dict[str, bytes] = {}
     for path, content in files.items():
         relative = os.path.relpath(normalize_path(path), WORKSPACE)
@@ -65,15 +63,15 @@ def check_template_files(name: object, files: object) -> tuple[str, dict[str, by
         if isinstance(content, (bytearray, memoryview)):
             content = bytes(content)
         if not isinstance(content, bytes):
-            raise _invalid(f"the content of template file {path!r} must be bytes, not {type(content).__name__}")
+            raise invalid_argument(f"the content of template file {path!r} must be bytes, not {type(content).__name__}")
         if relative in checked:
-            raise _invalid(f"template file {path!r} is given twice")
+            raise invalid_argument(f"template file {path!r} is given twice")
         checked[relative] = content
     for relative in checked:
         parent = os.path.dirname(relative)
         while parent:
             if parent in checked:
-                raise _invalid(f"template file {parent!r} is also the directory of {relative!r}")
+                raise invalid_argument(f"template file {parent!r} is also the directory of {relative!r}")
             parent = os.path.dirname(parent)
     return name, checked
 
@@ -91,7 +89,7 @@ def template_key(backend: str, name: str, files: Mapping[str, bytes]) -> str:
 
 def check_key(key: object) -> str:
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
-        raise _invalid(f"template must be a template key from prewarm() (64 hex digits), not {key!r}")
+        raise invalid_argument(f"template must be a template key from prewarm() (64 hex digits), not {key!r}")
     return key
 
 

@@ -117,3 +117,14 @@ def test_bad_cgroup_limits_are_refused(options):
     with pytest.raises(SandboxError) as caught:
         sandboxns.CgroupLimits(**options)
     assert caught.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+
+
+def test_limits_become_the_cgroup_files_values():
+    limits = sandboxns.CgroupLimits("/sys/fs/cgroup/x", memory_max=1 << 30, pids_max=64, cpu_max=1.5)
+    assert limits.settings() == {
+        "memory.max": str(1 << 30),
+        "memory.swap.max": "0",
+        "pids.max": "64",
+        "cpu.max": "150000 100000",
+    }
+    assert sandboxns.CgroupLimits("/sys/fs/cgroup/x").settings() == {}

@@ -4,12 +4,14 @@ root, while the workspace keeps its owner on disk (see sandboxns._hostids)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import trio
 from conftest import host_processes_with, sleep_marker, start_waiting_guest
 
 import sandboxns
+from sandboxns import _hostids
 from sandboxns._hostids import guest_host_ids
 
 pytestmark = [pytest.mark.smoke, pytest.mark.skipif(os.geteuid() != 0, reason="only a root host maps its guests")]
@@ -28,13 +30,22 @@ async def test_a_guest_is_an_unprivileged_host_user(driver_name, workspace):
         trio.open_nursery() as nursery,
     ):
         await start_waiting_guest(session, workspace, nursery, marker)
-        pids = [pid for pid in host_processes_with(marker) if _host_ids_of(pid) != (0, 0)]
-        ids = {_host_ids_of(pid) for pid in host_processes_with(marker)}
+        # The command itself (bwrap's processes carry the marker too).
+        [pid] = [
+            p for p in host_processes_with(marker) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"python3\0")
+        ]
+        ids = _host_ids_of(pid)
         nursery.cancel_scope.cancel()
-    # Every process carrying the guest's command line that is not the
-    # host's own (bwrap's outer process starts as root) is the guests' user.
-    assert pids and ids <= {guest_host_ids(), (0, 0)}
-    assert guest_host_ids() != (0, 0) and guest_host_ids()[0] != 0
+    assert ids == guest_host_ids() and 0 not in ids
+
+
+def test_the_host_ids_come_from_the_sandboxns_subordinate_range(tmp_path):
+    subuid = tmp_path / "subuid"
+    subuid.write_text("alice:100000:65536\nsandboxns:1500000000:65536\n")
+    assert _hostids._first_subordinate_id(str(subuid)) == 1500000000
+    subuid.write_text("alice:100000:65536\nsandboxns:0:0\n")  # no usable range: the default
+    assert _hostids._first_subordinate_id(str(subuid)) == _hostids.DEFAULT_HOST_ID
+    assert _hostids._first_subordinate_id(str(tmp_path / "missing")) == _hostids.DEFAULT_HOST_ID
 
 
 @pytest.mark.parametrize("owner", [(0, 0), (4321, 4322)])
