@@ -36,11 +36,16 @@ struct prepared_trees {
     int gateway_socket;
 };
 
+/* One part of the guests' seccomp filter (enum sbx_seccomp_part), compiled. */
+struct seccomp_part {
+    struct sock_filter insns[SBX_SECCOMP_MAX_INSNS];
+    unsigned short len;
+};
+
 /* What every command of the session gets, fixed when the holder starts. */
 struct command_settings {
     unsigned long long tmp_bytes; /* size of each command's /tmp */
-    struct sock_filter seccomp[SBX_SECCOMP_MAX_INSNS];
-    unsigned short seccomp_len;
+    struct seccomp_part seccomp;  /* the command part, which each init installs */
 };
 
 struct holder_config {
@@ -59,8 +64,12 @@ struct holder_config {
     uint32_t seccomp_relaxed; /* --seccomp-relax: groups lifted */
     uint32_t seccomp_denied[SBX_SECCOMP_MAX_EXTRA]; /* --seccomp-deny: more syscalls denied */
     size_t nseccomp_denied;
+    struct seccomp_part session_seccomp; /* the holder's own, installed before it serves */
     struct command_settings commands;
 };
+
+/* holder.c */
+int seccomp_install(const struct seccomp_part *part, struct sbx_report *err);
 
 /* report.c: structured errors, in the spirit of crun's sync socket. */
 int fail(struct sbx_report *report, const char *step, int err, const char *fmt, ...)

@@ -28,7 +28,25 @@ enum sbx_seccomp_group {
     SBX_SECCOMP_SETID_FILES = 1 << 12,  /* set-user/group-ID modes on files; openat2 */
 };
 
+/* Which part of the filter a program holds. bwrap installs the whole
+ * filter in one. The native driver stacks two (the kernel runs every filter
+ * a process has, and the strictest answer wins): the holder installs the
+ * session part once, before it serves requests; each command's init adds
+ * the command part, the groups the holder still needs itself to make every
+ * command's namespaces and mounts, plus the host's extra denials (which may
+ * name anything, including what the holder calls). Loading a filter costs
+ * in proportion to its length (the kernel checks it, converts it, works out
+ * which syscalls it always allows, and JIT-compiles it), so each command
+ * loads a short program rather than the whole table. */
+enum sbx_seccomp_part {
+    SBX_SECCOMP_WHOLE = 0,
+    SBX_SECCOMP_SESSION_PART = 1,
+    SBX_SECCOMP_COMMAND_PART = 2,
+};
+#define SBX_SECCOMP_COMMAND_GROUPS (SBX_SECCOMP_MOUNT | SBX_SECCOMP_NAMESPACES)
+
 struct sbx_seccomp_options {
+    enum sbx_seccomp_part part;
     uint32_t relaxed;              /* groups (enum sbx_seccomp_group) to allow */
     const uint32_t *extra_denied;  /* syscall numbers denied with EPERM */
     size_t nextra_denied;          /* at most SBX_SECCOMP_MAX_EXTRA */

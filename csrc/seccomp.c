@@ -16,8 +16,8 @@
  * ordinary programs working (glibc's posix_spawn retries with clone).
  *
  * The program is generated from the table below: one comparison per entry.
- * The same program is installed by the native driver (before each command's
- * execve) and handed to bwrap (--seccomp), so both drivers deny the same.
+ * bwrap gets the program whole (--seccomp); the native driver installs it
+ * in two parts (see enum sbx_seccomp_part), which together deny the same.
  * A host may lift groups of the table (a debugger needs ptrace) and deny
  * more calls by number; the ABI checks always stay. */
 #define _GNU_SOURCE
@@ -151,6 +151,18 @@ static const struct mode_argument mode_arguments[] = {
 #define RETURN(value) BPF_STMT(BPF_RET | BPF_K, (value))
 #define DENY(err) RETURN(SECCOMP_RET_ERRNO | ((err) & SECCOMP_RET_DATA))
 
+static int in_part(enum sbx_seccomp_part part, unsigned group)
+{
+    switch (part) {
+    case SBX_SECCOMP_SESSION_PART:
+        return !(group & SBX_SECCOMP_COMMAND_GROUPS);
+    case SBX_SECCOMP_COMMAND_PART:
+        return !!(group & SBX_SECCOMP_COMMAND_GROUPS);
+    default:
+        return 1;
+    }
+}
+
 size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity, const struct sbx_seccomp_options *options)
 {
     struct sock_filter program[SBX_SECCOMP_MAX_INSNS];
@@ -161,7 +173,7 @@ size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity, const struc
     if (options->nextra_denied > SBX_SECCOMP_MAX_EXTRA)
         return 0;
 #define EMIT(insn) (program[n++] = (struct sock_filter)insn)
-#define KEPT(group) (!(options->relaxed & (group)))
+#define KEPT(group) (!(options->relaxed & (group)) && in_part(options->part, group))
     /* Another ABI: numbers in this table mean nothing there. */
     EMIT(LOAD(arch));
     EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SBX_AUDIT_ARCH, 1, 0));
@@ -171,7 +183,7 @@ size_t sbx_seccomp_program(struct sock_filter *out, size_t capacity, const struc
     EMIT(BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, SBX_X32_SYSCALL_BIT, 0, 1));
     EMIT(DENY(EPERM));
 #endif
-    for (size_t i = 0; i < options->nextra_denied; i++) {
+    for (size_t i = 0; options->part != SBX_SECCOMP_SESSION_PART && i < options->nextra_denied; i++) {
         EMIT(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, options->extra_denied[i], 0, 1));
         EMIT(DENY(EPERM));
     }

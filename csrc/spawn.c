@@ -27,10 +27,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <linux/seccomp.h>
 
 #include "holder.h"
-#include "sbx_seccomp.h"
 #include "syscalls.h"
 
 /* fd on which the command reports a failed setup step; close-on-exec, so a
@@ -61,16 +59,6 @@ static int drop_capabilities(struct sbx_report *err)
     memset(data, 0, sizeof data);
     if (syscall(SYS_capset, &header, data) < 0)
         return fail(err, "capabilities", errno, "cannot clear capabilities: %s", strerror(errno));
-    return 0;
-}
-
-/* The session's filter, compiled once when the holder started (holder.c). */
-static int install_seccomp(const struct command_settings *settings, struct sbx_report *err)
-{
-    struct sock_fprog program = {.len = settings->seccomp_len, .filter = (struct sock_filter *)settings->seccomp};
-
-    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) < 0)
-        return fail(err, "seccomp", errno, "cannot install the seccomp filter: %s", strerror(errno));
     return 0;
 }
 
@@ -151,9 +139,6 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
         goto out_report;
     }
     if (drop_capabilities(&err) < 0)
-        goto out_report;
-    /* Last before chdir and execve, which it must allow: see seccomp.c. */
-    if (install_seccomp(plan->settings, &err) < 0)
         goto out_report;
     /* After dropping capabilities, so the guest's own permissions apply. */
     if (chdir(plan->cwd) < 0) {
@@ -298,7 +283,12 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
     else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, settings->tmp_bytes, &err) < 0 ||
              mount_scratch("/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
              mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
-             make_read_only("/proc/sys", &err) < 0)
+             make_read_only("/proc/sys", &err) < 0 ||
+             /* Once its mounts are made: the rest of the filter, which the
+              * command inherits through its clone. Everything the init and
+              * the command still do before execve is allowed, and loading it
+              * here keeps that work off the request's path. */
+             seccomp_install(&settings->seccomp, &err) < 0)
         setup_failed = 1;
     sigemptyset(&forward.sa_mask);
     sigaction(SIGTERM, &forward, NULL);

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker, start_waiting_guest
+from conftest import descendants, host_processes_with, sleep_marker, start_waiting_guest
 
 import sandboxns
 
@@ -61,6 +61,23 @@ async def test_host_view_of_a_guest_process(session, workspace):
     assert status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == int(status["CapPrm"], 16) == int(status["CapBnd"], 16) == 0
     assert status["Seccomp"] == "2"  # a filter
+
+
+async def test_every_native_sandbox_process_is_filtered(driver_name, workspace):
+    # The native holder installs the session's part of the filter before it
+    # serves, each command's init adds the command part after its mounts:
+    # only the launcher, outside the session's pid namespace, has none.
+    if driver_name != "native":
+        pytest.skip("bwrap's own processes are bwrap's")
+    async with sandboxns.open_sandbox(workspace) as session, trio.open_nursery() as nursery:
+        marker = sleep_marker()
+        await start_waiting_guest(session, workspace, nursery, marker)
+        [command] = host_processes_with(marker)
+        filters = {pid: int(_status(pid)["Seccomp_filters"]) for pid in descendants(os.getpid())}
+        nursery.cancel_scope.cancel()
+    assert filters[command] == 2
+    # Launcher, holder, the command's init and the next one, prepared.
+    assert sorted(filters.values()) == [0, 1, 2, 2, 2], filters
 
 
 def _cmdline(pid: int) -> bytes:
