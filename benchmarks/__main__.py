@@ -4,8 +4,8 @@ Runs, with a progress bar on stderr:
 
   spawn        latency of /usr/bin/true: bare, native, bwrap driver, bare
                bwrap, and the peers sandlock and srt where installed
-  throughput   commands/s at 1, 2, 4 and 8 concurrent callers: bare, native,
-               bwrap driver
+  throughput   commands/s at 1, 2, 4 and 8 concurrent callers: bare and
+               native alternating, then the bwrap driver
   create       backend.create() for 10 / 1,000 / 10,000-file templates (the
                default overlay layout; create_latency.py also measures copies)
 
@@ -87,11 +87,17 @@ async def throughput(seconds: float, progress: Progress) -> dict[str, dict[str, 
                 continue  # bwrap not installed
             runners[driver] = through(session)
         results = {name: {} for name in runners}
-        for step, concurrency in enumerate(CONCURRENCY, 1):
-            rates = await interleaved_rates(runners, concurrency, seconds)
+        # bare and native alternate; the bwrap driver is measured on its own
+        # after them, for the reason spawn_latency.py gives.
+        groups = [{name: runners[name] for name in ("bare", "native")}]
+        if "bwrap" in runners:
+            groups.append({"bwrap": runners["bwrap"]})
+        steps = len(CONCURRENCY) * len(groups)
+        for step, (group, concurrency) in enumerate(((g, c) for g in groups for c in CONCURRENCY), 1):
+            rates = await interleaved_rates(group, concurrency, seconds)
             for name, rate in rates.items():
                 results[name][str(concurrency)] = round(rate, 1)
-            progress("throughput", step / len(CONCURRENCY))
+            progress("throughput", step / steps)
     return results
 
 
