@@ -58,7 +58,7 @@ from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE
 from ._lease import clear_lease, lease_status
 from ._network import check_network_policy
-from ._session import RunResult, normalize_path
+from ._session import RunResult, check_seconds, normalize_path
 
 __all__ = ["NamespaceSandbox", "WorktreeSandbox", "namespace_sandbox", "slug_for", "worktree_sandbox"]
 
@@ -84,12 +84,19 @@ def slug_for(task_id: str) -> str:
     return f"{readable}-{hashlib.sha256(task_id.encode()).hexdigest()[:8]}"
 
 
+# How long a wrapped command may run by default: a day.
+WRAPPED_TIMEOUT = 24 * 3600.0
+
+
 class _TaskSandboxes:
     """What both kinds share: a backend state directory, one session per
     task (recorded by slug), and the structural methods over them."""
 
-    def __init__(self, root: Path, *, driver: str, network: object) -> None:
+    def __init__(self, root: Path, *, driver: str, network: object, timeout: float) -> None:
         self._policy = check_network_policy(network)
+        # What one wrapped command may take: it is usually a whole agent run,
+        # so the default is a day, not a tool call's 30 s.
+        self.timeout = check_seconds(timeout)
         if self._policy.needs_gateway:
             raise SandboxError(
                 ErrorCode.SANDBOX_POLICY_REFUSED,
@@ -179,7 +186,7 @@ class _TaskSandboxes:
         # -P: the sandboxns on sys.path, not a directory of that name where
         # the orchestrator happens to run it.
         argv = [sys.executable, "-P", "-m", "sandboxns", "exec", "--state-dir", str(self.state_directory)]
-        argv += ["--session", session_id, "--cwd", self._guest_cwd(id, cwd)]
+        argv += ["--session", session_id, "--cwd", self._guest_cwd(id, cwd), "--timeout", repr(self.timeout)]
         for name in env or {}:
             if not isinstance(name, str) or not name or "=" in name:
                 raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"invalid environment variable name {name!r}")
@@ -280,8 +287,10 @@ class WorktreeSandbox(_TaskSandboxes):
     its own (see the module docstring). Besides the structural methods,
     :meth:`collect` brings a task's commits onto its branch."""
 
-    def __init__(self, repo: Path, branch_prefix: str, root: Path, *, driver: str, network: object) -> None:
-        super().__init__(root, driver=driver, network=network)
+    def __init__(
+        self, repo: Path, branch_prefix: str, root: Path, *, driver: str, network: object, timeout: float
+    ) -> None:
+        super().__init__(root, driver=driver, network=network, timeout=timeout)
         self.repo = repo
         self.branch_prefix = branch_prefix
 
@@ -486,12 +495,18 @@ def _config_value(value: str) -> str:
 
 
 def namespace_sandbox(
-    root: str | os.PathLike[str], *, driver: str = "native", network: object = "deny-all"
+    root: str | os.PathLike[str],
+    *,
+    driver: str = "native",
+    network: object = "deny-all",
+    timeout: float = WRAPPED_TIMEOUT,
 ) -> NamespaceSandbox:
-    """Task sandboxes whose workspaces are new directories under ``root``."""
+    """Task sandboxes whose workspaces are new directories under ``root``;
+    a wrapped command is killed after ``timeout`` seconds."""
     path = Path(root).absolute()
+    sandbox = NamespaceSandbox(path, driver=driver, network=network, timeout=timeout)
     (path / ".sandboxns").mkdir(parents=True, exist_ok=True)
-    return NamespaceSandbox(path, driver=driver, network=network)
+    return sandbox
 
 
 def worktree_sandbox(
@@ -501,10 +516,12 @@ def worktree_sandbox(
     root: str | os.PathLike[str] | None = None,
     driver: str = "native",
     network: object = "deny-all",
+    timeout: float = WRAPPED_TIMEOUT,
 ) -> WorktreeSandbox:
     """Task sandboxes whose workspaces are working trees of the git
     repository ``repo``, in ``root`` (default: ``<repo>-worktrees`` beside
-    it), on branches ``<branch_prefix>/<slug>``."""
+    it), on branches ``<branch_prefix>/<slug>``; a wrapped command is killed
+    after ``timeout`` seconds."""
     repo_path = Path(repo).resolve()
     if not (repo_path / ".git").exists():
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"{repo_path} is not a git repository's top directory")
@@ -517,5 +534,6 @@ def worktree_sandbox(
         raise SandboxError(
             ErrorCode.SANDBOX_PATH_REFUSED, f"task trees must live outside the repository, not in {path}"
         )
+    sandbox = WorktreeSandbox(repo_path, branch_prefix, path, driver=driver, network=network, timeout=timeout)
     (path / ".sandboxns").mkdir(parents=True, exist_ok=True)
-    return WorktreeSandbox(repo_path, branch_prefix, path, driver=driver, network=network)
+    return sandbox

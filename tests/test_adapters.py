@@ -196,6 +196,24 @@ async def test_namespace_sandbox_workspaces_and_cleanup(tmp_path):
     assert (await sandbox.cleanup("t1"))["removed"] is False
 
 
+async def test_a_wrapped_command_runs_until_the_sandboxes_timeout(tmp_path):
+    # A wrapped command is usually a whole agent run: a day by default, not
+    # a tool call's 30 s, and what the host chose otherwise.
+    default = adapters.namespace_sandbox(tmp_path / "default")
+    await default.workspace("t")
+    argv = default.wrap(["true"], id="t")
+    assert argv[argv.index("--timeout") + 1] == repr(adapters.WRAPPED_TIMEOUT) == "86400.0"
+    short = adapters.namespace_sandbox(tmp_path / "short", timeout=0.5)
+    await short.workspace("t")
+    done = await run(short.wrap(["sleep", "30"], id="t"))
+    assert done.returncode == 124 and b"timed out after 0.5s" in done.stderr, done
+    for bad in (0, -1, float("inf"), "1"):
+        with pytest.raises(SandboxError) as error:
+            adapters.namespace_sandbox(tmp_path / "bad", timeout=bad)
+        assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    assert not (tmp_path / "bad").exists()
+
+
 def test_endpoints_exist_only_where_the_network_reaches_the_host(tmp_path):
     with pytest.raises(SandboxError) as error:
         adapters.namespace_sandbox(tmp_path / "a").endpoint_for(8080)

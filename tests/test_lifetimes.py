@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from conftest import refused
 
-from sandboxns import ErrorCode, SandboxSpec
+from sandboxns import ErrorCode, SandboxSpec, create_sandbox_coding_tools
 
 pytestmark = pytest.mark.smoke
 
@@ -55,6 +55,18 @@ async def test_activity_re_arms_the_timeout(clock, backend, template):
     await trio.sleep(IDLE - 10)
     assert handle.live
     await handle.session.run("true")  # so does a command
+    last = trio.current_time()
+    await handle.wait_closed()
+    assert trio.current_time() - last == pytest.approx(IDLE, abs=1)
+
+
+async def test_coding_tools_file_operations_are_activity(clock, backend, template):
+    handle = await backend.create(template=template, idle_timeout=IDLE)
+    tools = await create_sandbox_coding_tools(handle, authorize=lambda operation: True)
+    for _ in range(3):
+        await trio.sleep(IDLE - 10)
+        assert handle.live
+        assert "error" not in await tools.dispatch("read_file", {"path": "kept.txt"})
     last = trio.current_time()
     await handle.wait_closed()
     assert trio.current_time() - last == pytest.approx(IDLE, abs=1)
