@@ -218,10 +218,13 @@ class SandboxSpec:
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"path must be a path, not {path!r}")
         file = Path(path).absolute()
         try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            data = file.read_bytes()
+        except OSError as exc:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"cannot read the spec {file}: {exc}") from None
-        document, problem = _parse(text, file.suffix.lower())
+        try:
+            document, problem = _parse(data.decode("utf-8"), file.suffix.lower())
+        except UnicodeDecodeError as exc:  # what the file says, so a problem like any other
+            document, problem = None, f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})"
         return cls(document, base=file.parent, source=str(file), load_problem=problem)
 
     def validate(self) -> list[SpecProblem]:
@@ -330,6 +333,12 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
+        return await self._create_session(backend, await trio.to_thread.run_sync(self.template_files), host_env)
+
+    async def _create_session(
+        self, backend: Backend, files: dict[str, bytes] | None, host_env: Mapping[str, str] | None
+    ) -> SessionHandle:
+        resolved = self._checked()
         environment = self.environment(host_env)  # refused before anything is created
         network = self.network_policy(host_env)
         lifecycle = {
@@ -340,7 +349,7 @@ class SandboxSpec:
         if resolved.workspace is not None:
             handle = await backend.create(workspace=resolved.workspace, network=network, **lifecycle)
         else:
-            template = await backend.prewarm(template=resolved.id, files=self.template_files() or {})
+            template = await backend.prewarm(template=resolved.id, files=files or {})
             handle = await backend.create(template=template.template_key, network=network, **lifecycle)
         try:
             _configure(handle.session, resolved.limits, environment)
@@ -439,12 +448,21 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
                 template = (base / files).resolve()
                 if not template.is_dir():
                     c.problem("template.files", f"directory {template} does not exist")
+                for problem in _template_directory_problems(template):
+                    c.problem("template.files", problem)
         elif isinstance(files, Mapping):
             template = {}
             for path, content in c.table(files, "template.files", None).items():
-                if c.string(content, f"template.files[{json.dumps(path)}]") is not None:
+                field = f"template.files[{json.dumps(path)}]"
+                if c.string(content, field) is None:
+                    continue
+                try:  # the same rules as Backend.prewarm: inside the workspace...
+                    check_template_files("spec", {path: b""})
+                except SandboxError as exc:
+                    c.problem(field, exc.message)
+                else:
                     template[path] = content
-            try:  # the same rules as Backend.prewarm: inside the workspace, no clashes
+            try:  # ...and no clashes between them
                 check_template_files("spec", dict.fromkeys(template, b""))
             except SandboxError as exc:
                 c.problem("template.files", exc.message)
@@ -593,22 +611,30 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
     return tuple(entries)
 
 
-def _read_directory(root: Path) -> dict[str, bytes]:
-    """A template directory's regular files, by relative path."""
-    files: dict[str, bytes] = {}
+def _template_directory_problems(root: Path) -> list[str]:
+    """What in a template directory is not a directory or regular file."""
+    problems = []
     for directory, subdirectories, names in os.walk(root):
         for name in [*names, *subdirectories]:
             path = Path(directory, name)
             if path.is_symlink():
-                raise SandboxError(
-                    ErrorCode.SANDBOX_PATH_REFUSED, f"template file {path} is a symlink; a template holds regular files"
-                )
-        for name in names:
-            path = Path(directory, name)
-            if not path.is_file():
-                raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"template file {path} is not a regular file")
-            files[str(path.relative_to(root))] = path.read_bytes()
-    return files
+                problems.append(f"{path} is a symlink; a template holds regular files")
+            elif name in names and not path.is_file():
+                problems.append(f"{path} is not a regular file")
+    return problems
+
+
+def _read_directory(root: Path) -> dict[str, bytes]:
+    """A template directory's regular files, by relative path; checked
+    again, as it may have changed since validation."""
+    problems = _template_directory_problems(root)
+    if problems:
+        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"template file {problems[0]}")
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for directory, _, names in os.walk(root)
+        for path in (Path(directory, name) for name in names)
+    }
 
 
 class SpecSandbox:
@@ -654,16 +680,17 @@ class _Building:
     async def _opened(self) -> AsyncIterator[SpecSandbox]:
         spec = self._spec
         resolved = spec._checked()
-        # Resolve host variables before anything starts.
+        # Resolve host variables and read the template before anything starts.
         spec.environment(self._host_env)
         spec.network_policy(self._host_env)
+        files = await trio.to_thread.run_sync(spec.template_files)
         async with open_backend(
             driver=resolved.driver,
             state_directory=self._state_directory or default_state_directory(),
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle = await spec.create_session(backend, host_env=self._host_env)
+            handle = await spec._create_session(backend, files, host_env=self._host_env)
             try:
                 yield SpecSandbox(spec, backend, handle)
             finally:

@@ -425,7 +425,13 @@ class WorktreeSandbox(_TaskSandboxes):
         await self._git("rev-list", "--objects", "--quiet", tip, "--not", base)
         if await self._git("cat-file", "-t", tip) != "commit":
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the task's branch does not name a commit")
-        await self._git("update-ref", f"refs/heads/{branch}", tip)
+        try:  # only from where the task started: never over a move made in the repository meanwhile
+            await self._git("update-ref", f"refs/heads/{branch}", tip, base)
+        except SandboxError as exc:
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"branch {branch} is no longer at {base}, where the task's work started; left as it is ({exc.message})",
+            ) from None
         return tip
 
     async def cleanup(self, id: str, force: bool = False) -> dict:

@@ -150,6 +150,14 @@ class BlockingSession:
     def network(self) -> NetworkPolicy:
         return self._session.network
 
+    @property
+    def environment(self) -> dict[str, str]:
+        return dict(self._session.environment)
+
+    @property
+    def running(self) -> int:
+        return self._session.running
+
     def run(self, executable: str, args: Sequence[str] = (), **options: Any) -> RunResult:
         return self._portal.call(self._session.run, executable, args, **options)
 
@@ -224,11 +232,19 @@ class BlockingHandle:
 class BlockingBackend(_Closing):
     """A :class:`~sandboxns.Backend`, blocking, in its own trio thread."""
 
-    def __init__(self, portal: _Portal) -> None:
+    def __init__(self, backend: Backend, portal: _Portal) -> None:
         self._portal = portal
-        self._backend: Backend = portal.value
-        self.name = self._backend.name
-        self.state_directory = self._backend.state_directory
+        self._backend = backend
+        self.name = backend.name
+        self.state_directory = backend.state_directory
+
+    @property
+    def max_concurrent_commands(self) -> int:
+        return self._backend.max_concurrent_commands
+
+    @property
+    def active_commands(self) -> int:
+        return self._backend.active_commands
 
     def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
         return self._portal.call(self._backend.prewarm, template=template, files=files)
@@ -246,12 +262,14 @@ class BlockingSandbox(BlockingSession, _Closing):
 
 
 class BlockingSpecSandbox(_Closing):
-    """A sandbox built from a spec (see :func:`build`)."""
+    """A sandbox built from a spec (see :func:`build`). Its backend is its
+    own: closing either closes both."""
 
     def __init__(self, portal: _Portal) -> None:
         self._portal = portal
         built: SpecSandbox = portal.value
         self.spec = built.spec
+        self.backend = BlockingBackend(built.backend, portal)
         self.handle = BlockingHandle(built.handle, portal)
         self.session = self.handle.session
 
@@ -278,7 +296,8 @@ class BlockingCodingTools:
 def open_backend(**options: Any) -> BlockingBackend:
     """:func:`sandboxns.open_backend`, blocking (same arguments). Close it,
     or use ``with``, to shut its sessions down."""
-    return BlockingBackend(_Portal(lambda: _open_backend(**options)))
+    portal = _Portal(lambda: _open_backend(**options))
+    return BlockingBackend(portal.value, portal)
 
 
 def open_sandbox(workspace: str | os.PathLike[str], **options: Any) -> BlockingSandbox:

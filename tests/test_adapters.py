@@ -168,6 +168,22 @@ async def test_cleanup_keeps_the_branch_and_refuses_a_dirty_worktree(repo, tmp_p
     assert (Path(again_workspace["host_path"]) / "parser.py").read_text().endswith("one\n")
 
 
+async def test_collect_never_overwrites_a_branch_moved_in_the_repository(repo, tmp_path):
+    sandbox = adapters.worktree_sandbox(repo, root=tmp_path / "trees")
+    await sandbox.workspace(TASK)
+    commit = await run(sandbox.wrap(["sh", "-c", "echo one >> parser.py && git commit -qam one"], id=TASK))
+    assert commit.returncode == 0, commit.stderr
+    # Someone on the host moves the task's branch meanwhile.
+    (repo / "other.txt").write_text("host work\n")
+    git(repo, "add", "other.txt")
+    git(repo, "commit", "-qm", "host work")
+    branch = sandbox.branch_for(TASK)
+    git(repo, "branch", "-f", branch, "main")
+    moved = git(repo, "rev-parse", branch)
+    await refused(ErrorCode.SANDBOX_STATE_MISMATCH, sandbox.collect(TASK))
+    assert git(repo, "rev-parse", branch) == moved
+
+
 async def test_stop_kills_a_running_command(repo, tmp_path):
     sandbox = adapters.namespace_sandbox(tmp_path / "tasks")
     await sandbox.workspace("long")

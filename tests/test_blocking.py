@@ -75,6 +75,12 @@ def test_coding_tools_and_a_spec(tmp_path):
         result = tools.dispatch("read_file", {"path": "a.txt"})
         assert "alpha" in json.dumps(result)
         assert tools.dispatch("read_file", {"path": "/etc/passwd"})["error"] == "SANDBOX_PATH_REFUSED"
+        # The spec's backend and session, as the async form has them.
+        assert sandbox.backend.name == "native" and sandbox.backend.active_commands == 0
+        assert sandbox.backend.max_concurrent_commands > 0
+        sandbox.session.configure(environment={"GREETING": "hi"})
+        assert sandbox.session.environment["GREETING"] == "hi" and sandbox.session.running == 0
+        assert sandbox.session.run("sh", ["-c", "echo $GREETING"]).stdout == "hi\n"
 
 
 def test_a_failed_open_raises_in_the_caller(tmp_path):

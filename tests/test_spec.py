@@ -87,9 +87,12 @@ Prose about the sandbox, for people.
 HOST = {"SPEC_TEST_USER": "alice", "SPEC_TEST_TOKEN": "s3cret-token"}
 
 
-def write(tmp_path, name: str, text: str):
+def write(tmp_path, name: str, text: str | bytes):
     path = tmp_path / name
-    path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     return path
 
 
@@ -207,6 +210,11 @@ async def test_a_built_sandbox_applies_the_spec(driver_name, tmp_path):
         await refused(ErrorCode.SANDBOX_LIMIT, session.write_file("big", b"x" * 101))  # max_file_bytes = 100
         session_dir = tmp_path / "state" / "sessions" / sandbox.handle.session_id
         assert session_dir.is_dir()
+        # Passthrough and header values live in memory only, never on disk.
+        for stored in (tmp_path / "state").rglob("*"):
+            if stored.is_file() and not stored.is_symlink():
+                content = stored.read_bytes()
+                assert b"alice" not in content and b"s3cret" not in content, stored
     assert not session_dir.exists()  # destroy_on_close
 
 
@@ -235,11 +243,32 @@ async def test_a_spec_binds_a_workspace(tmp_path):
     assert (tmp_path / "project" / "out.txt").read_text() == "written\n"
 
 
-async def test_template_symlinks_are_refused(tmp_path):
-    (tmp_path / "files").mkdir()
+async def test_template_symlinks_and_special_files_are_problems(tmp_path):
+    (tmp_path / "files" / "sub").mkdir(parents=True)
+    (tmp_path / "files" / "kept.txt").write_text("fine")
     os.symlink("/etc/passwd", tmp_path / "files" / "link")
+    os.symlink("/etc", tmp_path / "files" / "sub" / "dirlink")
+    os.mkfifo(tmp_path / "files" / "sub" / "fifo")
     spec = SandboxSpec.from_dict({"id": "links", "template": {"files": "files"}}, base=tmp_path)
-    await refused(ErrorCode.SANDBOX_PATH_REFUSED, spec.build(state_directory=tmp_path / "state"))
+    problems = spec.validate()
+    assert {problem.field for problem in problems} == {"template.files"}
+    assert sorted(problem.message.split()[0].rsplit("/", 1)[1] for problem in problems) == ["dirlink", "fifo", "link"]
+    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, spec.build(state_directory=tmp_path / "state"))
+    assert not (tmp_path / "state").exists()
+
+
+def test_each_bad_inline_template_path_is_its_own_problem():
+    spec = SandboxSpec.from_dict({"id": "x", "template": {"files": {"../a": "x", "/etc/b": "y", "ok.txt": "z"}}})
+    assert sorted(problem.field for problem in spec.validate()) == [
+        'template.files["../a"]',
+        'template.files["/etc/b"]',
+    ]
+
+
+def test_a_file_that_is_not_utf8_is_a_problem(tmp_path):
+    spec = SandboxSpec.load(write(tmp_path, "box.toml", "id = 'x'\n# caf\xe9\n".encode("latin-1")))
+    [problem] = spec.validate()
+    assert problem.field == "" and "not UTF-8" in problem.message
 
 
 async def test_create_session_checks_the_backend_driver(tmp_path):
@@ -264,7 +293,7 @@ async def test_create_session_checks_the_backend_driver(tmp_path):
         ({"id": "x", "template": {"files": "a\0b"}}, "template.files"),
         ({"id": "x", "template": {"files": {"a": "1", "./a": "2"}}}, "template.files"),
         ({"id": "x", "template": {"files": {"d": "1", "d/e": "2"}}}, "template.files"),
-        ({"id": "x", "template": {"files": {".": "1"}}}, "template.files"),
+        ({"id": "x", "template": {"files": {".": "1"}}}, 'template.files["."]'),
         (
             {"id": "x", "network": {"egress": [{"origin": "https://a.example", "headers": {"X Bad": {"env": "T"}}}]}},
             "network.egress[0].headers.X Bad",
