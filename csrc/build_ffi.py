@@ -75,6 +75,8 @@ ffibuilder.cdef(
     int sbx_make_userns(const char *uid_map, const char *gid_map, int owner_uid, int owner_gid);
     int sbx_idmapped_mount_ns(const char *const *sources, const char *const *targets, const int *readonly, int n,
                               int idmap_userns_fd);
+    int sbx_image_mount(const char *image, const char *target);
+    int sbx_image_unmount(const char *target);
 
     #define SBX_SECCOMP_MAX_INSNS ...
     #define SBX_SECCOMP_MAX_EXTRA ...
@@ -91,7 +93,7 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "sandboxns._sbx",
     '#include <linux/openat2.h>\n#include <sys/syscall.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
-    sources=[f"{CSRC}/ffi_spawn.c", f"{CSRC}/ffi_files.c", f"{CSRC}/ffi_idmap.c", f"{CSRC}/idmap.c", f"{CSRC}/seccomp.c"],
+    sources=[f"{CSRC}/{name}.c" for name in ("ffi_spawn", "ffi_files", "ffi_idmap", "ffi_image", "idmap", "seccomp")],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,
 )

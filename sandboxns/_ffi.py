@@ -134,6 +134,25 @@ def idmapped_mount_ns(
     return fd
 
 
+def mount_image(image: str, target: str) -> int:
+    """Mount the ext4 image file ``image`` at ``target`` (nosuid, nodev)
+    through a loop device that frees itself once unmounted; returns the loop
+    device's number."""
+    number = lib.sbx_image_mount(os.fsencode(image), os.fsencode(target))
+    if number < 0:
+        raise OSError(-number, f"cannot mount {image} at {target}: {os.strerror(-number)}")
+    return number
+
+
+def unmount_image(target: str) -> bool:
+    """Unmount ``target``; False when it was still in use on the host and
+    has only been detached (it goes once its user lets go)."""
+    rc = lib.sbx_image_unmount(os.fsencode(target))
+    if rc < 0:
+        raise OSError(-rc, f"cannot unmount {target}: {os.strerror(-rc)}")
+    return rc == 0
+
+
 def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimits: Sequence[int]) -> bytes:
     """Pack one exec request; ``rlimits`` are the RLIMIT_COUNT values in
     slot order (RLIMIT_INHERIT for none). Raises ValueError when the strings
