@@ -45,7 +45,7 @@ import trio
 
 from . import _ffi
 from ._cgroup import SessionCgroup
-from ._confinement import Confinement, ResourceLimits, check_confinement
+from ._confinement import Confinement, ResourceLimits
 from ._driver import GUEST_EXEC, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
@@ -457,9 +457,8 @@ class BwrapDriver(HostWorkspaceIO):
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
     ) -> BwrapDriver:
-        workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
+        workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
         extra = check_mounts(mounts)
-        checked_confinement = check_confinement(confinement)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
         bwrap = find_bwrap()

@@ -1,5 +1,6 @@
 """What the kernel bounds for a session beyond its namespaces: each command's
-resource limits, the size of its /tmp, and its seccomp filter.
+resource limits, the size of its /tmp and of its workspace, and its seccomp
+filter.
 
 Both drivers apply the same values; see the README's "Resource bounds" and
 "Seccomp" sections for what each one does and does not bound.
@@ -17,6 +18,10 @@ from ._errors import ErrorCode, SandboxError, invalid_argument
 
 DEFAULT_PROCESSES = 1024
 MAX_TMP_SIZE = 1 << 40
+MIN_WORKSPACE_SIZE = 16 << 20
+# ext4, a common file system for the state directory, holds no file of 16 TiB
+# or more, such as the sparse image a capped workspace lives in.
+MAX_WORKSPACE_SIZE = 8 << 40
 
 # The host's own limit for each slot: a guest can be given at most that.
 _HOST_RESOURCES = {
@@ -151,13 +156,16 @@ class Confinement:
     command's default rlimits, see :class:`ResourceLimits`; a command may
     be given others), ``tmp_size`` (bytes of each command's private /tmp,
     memory-backed; default 256 MiB), ``seccomp`` (see
-    :class:`SeccompPolicy`) and ``cgroup`` (a cgroup v2 of the session's
-    own, see :class:`CgroupLimits`; none by default)."""
+    :class:`SeccompPolicy`), ``cgroup`` (a cgroup v2 of the session's
+    own, see :class:`CgroupLimits`; none by default) and ``workspace_size``
+    (bytes the session's workspace may hold, for a backend session made
+    from a template; no cap by default; see sandboxns._image)."""
 
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     tmp_size: int = _ffi.TMP_BYTES
     seccomp: SeccompPolicy = field(default_factory=SeccompPolicy)
     cgroup: CgroupLimits | None = None
+    workspace_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.limits, ResourceLimits):
@@ -169,6 +177,13 @@ class Confinement:
         size = self.tmp_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 << 20 <= size <= MAX_TMP_SIZE:
             raise invalid_argument(f"tmp_size must be an integer number of bytes from 1 MiB to 1 TiB, not {size!r}")
+        size = self.workspace_size
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, int) or not MIN_WORKSPACE_SIZE <= size <= MAX_WORKSPACE_SIZE
+        ):
+            raise invalid_argument(
+                f"workspace_size must be None or an integer number of bytes from 16 MiB to 8 TiB, not {size!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object]) -> Confinement:
@@ -182,6 +197,7 @@ class Confinement:
             tmp_size=values.get("tmp_size", _ffi.TMP_BYTES),  # type: ignore[arg-type]
             seccomp=SeccompPolicy(allow=seccomp.get("allow", ()), deny=seccomp.get("deny", ())),
             cgroup=None if cgroup is None else _stored_cgroup(cgroup),
+            workspace_size=values.get("workspace_size"),  # type: ignore[arg-type]
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -190,6 +206,7 @@ class Confinement:
             "tmp_size": self.tmp_size,
             "seccomp": {"allow": sorted(self.seccomp.allow), "deny": sorted(self.seccomp.deny)},
             "cgroup": None if self.cgroup is None else self.cgroup.to_dict(),
+            "workspace_size": self.workspace_size,
         }
 
     def holder_arguments(self) -> list[str]:

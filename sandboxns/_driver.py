@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ._confinement import ResourceLimits
-from ._errors import ErrorCode, SandboxError
+from ._confinement import Confinement, ResourceLimits, check_confinement
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import WORKSPACE, DirEntry
 from ._network import GUEST_SOCKET, NetworkPolicy, check_network_policy
 from ._pump import OutputSink
@@ -31,19 +31,28 @@ class OverlayUnavailable(SandboxError):
 
 
 def check_start_arguments(
-    workspace: str | os.PathLike[str], network: object, uid: object, gid: object
-) -> tuple[Path, NetworkPolicy]:
+    workspace: str | os.PathLike[str], network: object, uid: object, gid: object, confinement: object
+) -> tuple[Path, NetworkPolicy, Confinement]:
     """What every driver's ``start`` checks first: the user and group ids,
-    the network policy, and a workspace that is a directory. Returns the
-    workspace's resolved path and the checked policy."""
+    the network policy, the confinement, and a workspace that is a
+    directory. Returns the workspace's resolved path, the checked policy and
+    confinement."""
     for label, value in (("uid", uid), ("gid", gid)):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
     policy = check_network_policy(network)
+    checked_confinement = check_confinement(confinement)
+    if checked_confinement.workspace_size is not None:
+        # A backend caps the storage it makes for a session before any
+        # driver starts (see sandboxns._image); a driver is given a directory.
+        raise invalid_argument(
+            "workspace_size caps the workspace of a backend session made from a template (Backend.create); "
+            "a sandbox over a host directory cannot be capped"
+        )
     workspace_path = Path(workspace)
     if not workspace_path.is_dir():
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
-    return workspace_path.resolve(), policy
+    return workspace_path.resolve(), policy, checked_confinement
 
 
 # Where the bwrap driver binds the program that starts each command.

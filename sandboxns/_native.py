@@ -22,7 +22,7 @@ import trio
 
 from . import _ffi
 from ._cgroup import SessionCgroup
-from ._confinement import Confinement, ResourceLimits, check_confinement
+from ._confinement import Confinement, ResourceLimits
 from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
@@ -165,9 +165,8 @@ class NativeDriver(HostWorkspaceIO):
         allow-list policy, is bound at /run/sandboxns-network.sock.
         ``mounts`` are extra host paths to bind (see :class:`Mount`);
         ``confinement`` the session's kernel bounds (see :class:`Confinement`)."""
-        workspace_path, policy = check_start_arguments(workspace, network, uid, gid)
+        workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
         extra = check_mounts(mounts)
-        checked_confinement = check_confinement(confinement)
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,

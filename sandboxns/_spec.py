@@ -13,8 +13,9 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     egress = [{ origin = "https://api.example.com", headers = { authorization = { env = "API_TOKEN", prefix = "Bearer " } } }]
     [limits]
     timeout = 30
-    processes = 512                 # rlimits and /tmp size, see sandboxns.Confinement
+    processes = 512                 # rlimits, /tmp and workspace sizes, see sandboxns.Confinement
     tmp_size = 268435456
+    workspace_size = 1073741824     # a template's sessions only
     [seccomp]
     allow = ["ptrace"]              # lift groups of the default filter; deny = [...] adds syscalls
     [lifecycle]
@@ -71,6 +72,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*\r?$", re.DOTALL | re.MULTILINE)
 _FIELDS = ("id", "description", "driver", "template", "workspace", "env", "network", "limits", "seccomp", "lifecycle")
 _RESOURCE_LIMITS = tuple(field.name for field in fields(ResourceLimits))
+# The Confinement fields a spec sets under [limits], in bytes.
+_SIZES = ("tmp_size", "workspace_size")
 
 
 @dataclass(frozen=True)
@@ -493,7 +496,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
 
     egress = _check_egress(c, c.table(top.get("network", {}), "network", ("egress",)).get("egress", "deny-all"))
 
-    limits_table = c.table(top.get("limits", {}), "limits", (*_DEFAULT_LIMITS, *_RESOURCE_LIMITS, "tmp_size"))
+    limits_table = c.table(top.get("limits", {}), "limits", (*_DEFAULT_LIMITS, *_RESOURCE_LIMITS, *_SIZES))
     limits = {}
     for name, default in _DEFAULT_LIMITS.items():
         value = limits_table.get(name, default)
@@ -503,6 +506,8 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         )
         limits[name] = default if checked is None else checked
     confinement = _check_confinement(c, limits_table, c.table(top.get("seccomp", {}), "seccomp", ("allow", "deny")))
+    if workspace is not None and confinement.workspace_size is not None:
+        c.problem("limits.workspace_size", "a host directory (workspace) cannot be capped, only a template's sessions")
 
     lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
     idle_timeout = None
@@ -529,8 +534,9 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
 
 
 def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[str, Any]) -> Confinement:
-    """The rlimits, /tmp size and seccomp changes of ``limits`` and
-    ``seccomp``; each problem is reported under its own field, once."""
+    """The rlimits, /tmp and workspace sizes and seccomp changes of
+    ``limits`` and ``seccomp``; each problem is reported under its own
+    field, once."""
 
     def accepted(field: str, make: Callable[..., object], **options: Any) -> bool:
         try:
@@ -541,11 +547,11 @@ def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[
         return True
 
     options: dict[str, Any] = {}
-    for name in (*_RESOURCE_LIMITS, "tmp_size"):
+    for name in (*_RESOURCE_LIMITS, *_SIZES):
         if name in limits:
             field = f"limits.{name}"
             value = c.number(limits[name], field, integer=True, minimum=1, maximum=2**63 - 1)
-            make = Confinement if name == "tmp_size" else ResourceLimits
+            make = Confinement if name in _SIZES else ResourceLimits
             if value is not None and accepted(field, make, **{name: value}):
                 options[name] = value
     names = {}
@@ -555,8 +561,8 @@ def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[
             c.problem(f"seccomp.{key}", f"must be a list of names, not {_short(value)}")
         elif accepted(f"seccomp.{key}", SeccompPolicy, **{key: value}):
             names[key] = value
-    tmp_size = options.pop("tmp_size", Confinement().tmp_size)
-    return Confinement(limits=ResourceLimits(**options), tmp_size=tmp_size, seccomp=SeccompPolicy(**names))
+    sizes = {name: options.pop(name) for name in _SIZES if name in options}
+    return Confinement(limits=ResourceLimits(**options), seccomp=SeccompPolicy(**names), **sizes)
 
 
 def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
