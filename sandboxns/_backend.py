@@ -11,6 +11,16 @@ credential is ever written here)::
                                     only what differs from the template
     sessions/<id>/overlay-work/     overlayfs scratch space
 
+A session with a workspace size cap keeps those two directories on an ext4
+image of the cap's size instead (see _image)::
+
+    sessions/<id>/workspace.img     the image
+    sessions/<id>/storage/          where it is mounted while the session is
+                                    live, holding workspace/ and overlay-work/
+
+Both are on the image, not the workspace alone, because overlayfs wants its
+upper and work directories on one mount.
+
 Durability is per process: a crash of the host process loses nothing already
 written, but nothing is fsync'd against power loss.
 """
@@ -19,6 +29,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -40,6 +52,7 @@ from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
 from ._driver import Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
+from ._image import WorkspaceImage, require_workspace_cap_support
 from ._lease import Lease, is_locked
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
@@ -202,6 +215,17 @@ def remove_tree(path: Path) -> None:
         )
 
 
+def _storage_root(session_dir: Path, confinement: Confinement) -> Path:
+    """Where a session keeps what it writes (its workspace and an overlay's
+    work directory): its own directory, or its mounted image when capped."""
+    return session_dir if confinement.workspace_size is None else WorkspaceImage(session_dir).mount_point
+
+
+async def _unmount(image: WorkspaceImage) -> None:
+    with trio.CancelScope(shield=True):  # a cancelled caller must not leave the image mounted
+        await trio.to_thread.run_sync(image.unmount)
+
+
 class SessionHandle:
     """A session owned by this process: its :class:`Session`, its state
     descriptor, and its lifetime (stop, shutdown, delete)."""
@@ -219,6 +243,7 @@ class SessionHandle:
         self.destroy_on_close = False
         self._idle_watch: trio.CancelScope | None = None
         self._closed = trio.Event()
+        self._image: WorkspaceImage | None = None  # a capped session's, see _image
         self.session: Session
 
     def capture_state(self) -> dict:
@@ -250,6 +275,8 @@ class SessionHandle:
         if self._network is not None:
             await self._network.aclose()
             self._network = None
+        if self._image is not None and self._lease is not None and self._lease.is_current():
+            await _unmount(self._image)
 
     def _release(self) -> None:
         if self._lease is not None:
@@ -348,6 +375,8 @@ class SessionHandle:
                     return
                 self._lease = await Lease.acquire(self._dir, self._backend.state_directory)
             try:
+                if self._image is not None:  # an owner that crashed left it mounted
+                    await _unmount(self._image)
                 trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
                 os.rename(self._dir, trash)
                 await trio.to_thread.run_sync(remove_tree, trash)
@@ -440,13 +469,22 @@ class Backend:
         ``mounts`` binds extra host paths into a new session (see
         :class:`~sandboxns.Mount`); they are stored with it and bound again
         when it is resumed. So is ``confinement``, the session's rlimits,
-        /tmp size and seccomp filter (see :class:`~sandboxns.Confinement`)."""
+        /tmp size, seccomp filter and workspace size cap (see
+        :class:`~sandboxns.Confinement`); a session over a host directory
+        cannot have a workspace size cap."""
         self._check_open()
         policy = check_network_policy(network)
         extra = check_mounts(mounts)
         if confinement is not None and state is not None:
             raise invalid_argument("confinement is given when a session is created; a resumed session keeps its own")
         confinement = check_confinement(confinement)
+        if confinement.workspace_size is not None:
+            if workspace is not None:
+                raise invalid_argument(
+                    "workspace_size caps the storage a backend makes for a session from a template; a host "
+                    "directory given as workspace= is never resized, so it cannot be capped"
+                )
+            require_workspace_cap_support()
         for mount in extra:
             self._refuse_state_overlap(Path(mount.host), "mount")
         if extra and state is not None:
@@ -499,10 +537,8 @@ class Backend:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
         description = self._new_description(key, layout, mounts, confinement)
-        session_dir = await self._make_session_dir(description)
-        if layout == "copy":
-            await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), session_dir / "workspace")
-        return await self._attach(session_dir, description, policy, new=True)
+        session_dir = await self._make_session_dir(description, confinement)
+        return await self._attach(session_dir, description, confinement, policy, new=True)
 
     async def _create_bound(
         self,
@@ -519,8 +555,8 @@ class Backend:
         self._refuse_state_overlap(path, "workspace")
         description = self._new_description(None, "bound", mounts, confinement)
         description["workspace"] = str(path)
-        session_dir = await self._make_session_dir(description)
-        return await self._attach(session_dir, description, policy, new=True)
+        session_dir = await self._make_session_dir(description, confinement)
+        return await self._attach(session_dir, description, confinement, policy, new=True)
 
     def _refuse_state_overlap(self, path: Path, what: str) -> None:
         state = self.state_directory.resolve()
@@ -543,17 +579,24 @@ class Backend:
             "confinement": confinement.to_dict(),
         }
 
-    async def _make_session_dir(self, description: dict) -> Path:
+    async def _make_session_dir(self, description: dict, confinement: Confinement) -> Path:
         """Create a session directory under a temporary name and rename it
-        into place, so no half-made session is ever visible."""
+        into place, so no half-made session is ever visible. A capped
+        session's workspace directory is in its image."""
 
         def make() -> Path:
             staging = self._sessions / f".new-{description['session']}"
             staging.mkdir(mode=0o700, parents=True)
-            (staging / "workspace").mkdir(mode=0o755)
-            _write_json(staging / "session.json", description)
-            final = self._sessions / description["session"]
-            os.rename(staging, final)
+            with contextlib.ExitStack() as on_failure:
+                on_failure.callback(remove_tree, staging)
+                if confinement.workspace_size is None:
+                    (staging / "workspace").mkdir(mode=0o755)
+                else:
+                    WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
+                _write_json(staging / "session.json", description)
+                final = self._sessions / description["session"]
+                os.rename(staging, final)
+                on_failure.pop_all()
             return final
 
         return await trio.to_thread.run_sync(make)
@@ -585,28 +628,37 @@ class Backend:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"session {session_id} is bound to {description.get('workspace') or 'its own workspace'}",
             )
-        return await self._attach(session_dir, description, policy, new=False)
+        confinement = Confinement.from_dict(description.get("confinement", {}))
+        if confinement.workspace_size is not None:
+            require_workspace_cap_support()  # this host may not be the one that made it
+        return await self._attach(session_dir, description, confinement, policy, new=False)
 
-    async def _attach(self, session_dir: Path, description: dict, policy: NetworkPolicy, *, new: bool) -> SessionHandle:
-        """Take the lease and start the session's sandbox (and its gateway,
-        for an allow-list policy)."""
+    async def _attach(
+        self, session_dir: Path, description: dict, confinement: Confinement, policy: NetworkPolicy, *, new: bool
+    ) -> SessionHandle:
+        """Take the lease, mount a capped session's image, and start the
+        session's sandbox (and its gateway, for an allow-list policy)."""
         handle = SessionHandle(self, session_dir, description)
-        try:
+        async with contextlib.AsyncExitStack() as on_failure:
+            if new:
+                on_failure.push_async_callback(trio.to_thread.run_sync, remove_tree, session_dir)
             lease = await Lease.acquire(session_dir, self.state_directory)
-        except BaseException:
-            if new:
-                await trio.to_thread.run_sync(remove_tree, session_dir)
-            raise
-        network = SessionNetwork(self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch())
-        try:
+            on_failure.callback(lease.release)
+            if confinement.workspace_size is not None:
+                # In the host's mount namespace, before the sandbox starts:
+                # the drivers and the host's file API see only directories.
+                handle._image = WorkspaceImage(session_dir)
+                await trio.to_thread.run_sync(handle._image.mount)
+                on_failure.push_async_callback(_unmount, handle._image)
+            network = SessionNetwork(
+                self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch()
+            )
+            on_failure.push_async_callback(network.aclose)
             gateway_socket = await network.prepare(policy)
-            driver = await self._start_driver(session_dir, description, policy, lease, gateway_socket, new=new)
-        except BaseException:
-            await network.aclose()
-            lease.release()
-            if new:
-                await trio.to_thread.run_sync(remove_tree, session_dir)
-            raise
+            driver = await self._start_driver(
+                session_dir, description, confinement, policy, lease, gateway_socket, new=new
+            )
+            on_failure.pop_all()
         handle._driver = driver
         handle._lease = lease
         handle._network = network
@@ -618,6 +670,7 @@ class Backend:
         self,
         session_dir: Path,
         description: dict,
+        confinement: Confinement,
         policy: NetworkPolicy,
         lease: Lease,
         gateway_socket: Path | None,
@@ -625,7 +678,8 @@ class Backend:
         new: bool,
     ):
         layout = description["layout"]
-        workspace = Path(description["workspace"]) if layout == "bound" else session_dir / "workspace"
+        storage = _storage_root(session_dir, confinement)
+        workspace = Path(description["workspace"]) if layout == "bound" else storage / "workspace"
         if layout == "bound":
             # As for mounts below: the guest of a session bound to a
             # directory above this one can swap in a symlink, which must
@@ -646,15 +700,16 @@ class Backend:
                     f"mount source {stored['host']} now leads to {mount.host}; refusing to bind it",
                 )
             self._refuse_state_overlap(Path(mount.host), "mount")
-        confinement = Confinement.from_dict(description.get("confinement", {}))
         overlay = None
         if layout == "overlay":
-            scratch = session_dir / "overlay-work"
+            scratch = storage / "overlay-work"
             # overlayfs wants its work directory empty of a previous mount's
             # leftovers, some of which it makes mode 000.
             await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
             overlay = (self._templates.files_of(description["template"]), scratch)
+        elif layout == "copy" and new:
+            await self._copy_template(description["template"], workspace)
         start = functools.partial(
             self._driver_class.start,
             workspace,
@@ -662,7 +717,8 @@ class Backend:
             lease=lease,
             gateway_socket=gateway_socket,
             mounts=mounts,
-            confinement=confinement,
+            # The cap is the mount made before; the driver sees a directory.
+            confinement=dataclasses.replace(confinement, workspace_size=None),
         )
         try:
             return await start(overlay=overlay)
@@ -673,10 +729,20 @@ class Backend:
         # template into its workspace instead.
         self._overlay = False
         description["layout"] = "copy"
-        await trio.to_thread.run_sync(remove_tree, session_dir / "overlay-work")
-        await trio.to_thread.run_sync(copy_tree, self._templates.files_of(description["template"]), workspace)
+        await trio.to_thread.run_sync(remove_tree, storage / "overlay-work")
+        await self._copy_template(description["template"], workspace)
         await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
         return await start()
+
+    async def _copy_template(self, key: str, workspace: Path) -> None:
+        try:
+            await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), workspace)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise SandboxError(
+                ErrorCode.SANDBOX_LIMIT, f"template {key} does not fit in the session's workspace: {exc.strerror}"
+            ) from None
 
     def audit_records(self, buffer: int = 1000):
         """An async context manager giving a stream of the gateway's audit

@@ -93,6 +93,8 @@ def path_error(exc: OSError, guest_path: str) -> SandboxError:
         return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path}: {exc.strerror}")
     if exc.errno == errno.ENAMETOOLONG:  # a path, or a name in it, longer than the kernel takes
         return SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is too long a path")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a capped workspace, or the host's disk, is full
+        return SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path}: {exc.strerror}; the workspace is full")
     return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"{guest_path}: {exc.strerror}")
 
 

@@ -139,8 +139,16 @@ def _copy_file(source: int, target: int) -> None:
         return
     except OSError:
         pass
-    while os.copy_file_range(source, target, 1 << 30):
-        pass
+    try:
+        while os.copy_file_range(source, target, 1 << 30):
+            pass
+    except OSError as exc:
+        # Between file systems of different types (the template store and a
+        # capped workspace's ext4 image) the kernel refuses before copying.
+        if exc.errno != errno.EXDEV:
+            raise
+        while os.sendfile(target, source, None, 1 << 30):
+            pass
 
 
 def copy_tree(source: Path, target: Path) -> None:
