@@ -335,7 +335,7 @@ trio.run(main, *sys.argv[1:])
 @capable_host
 async def test_a_crashed_owners_mount_is_taken_over(driver_name, state_dir):
     owner = await trio.lowlevel.open_process(
-        [sys.executable, "-c", CRASHING_OWNER, driver_name, str(state_dir)], stdout=subprocess.PIPE
+        [sys.executable, "-P", "-c", CRASHING_OWNER, driver_name, str(state_dir)], stdout=subprocess.PIPE
     )
     output = b""
     with trio.fail_after(30):
