@@ -22,6 +22,7 @@ import trio
 
 from ._bwrap import find_bwrap
 from ._errors import SandboxError
+from ._image import missing_for_workspace_cap
 from ._native import HOLDER_PATH
 from ._open import open_sandbox
 
@@ -240,6 +241,14 @@ def _check_sandbox() -> tuple[bool, str]:
         return False, f"starting a sandbox and running /usr/bin/true took over {SANDBOX_PROBE_TIMEOUT:g}s"
 
 
+def _check_workspace_cap() -> tuple[bool, str]:
+    # Confinement(workspace_size=...) mounts an ext4 image per session.
+    missing = missing_for_workspace_cap()
+    if missing:
+        return False, f"workspace size caps unavailable (only they need it): lacking {'; '.join(missing)}"
+    return True, "workspace size caps available (root, loop devices, mkfs.ext4)"
+
+
 def _run(name: str, required: bool, probe: Probe) -> Check:
     try:
         ok, detail = probe()
@@ -257,6 +266,7 @@ _HOST_CHECKS: tuple[tuple[str, bool, Probe], ...] = (
     ("openat2", False, _check_openat2),
     ("holder", True, _check_holder),
     ("bwrap", False, _check_bwrap),
+    ("workspace-cap", False, _check_workspace_cap),
 )
 
 
