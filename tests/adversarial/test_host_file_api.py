@@ -341,6 +341,15 @@ SEEN_FIFO_RACE = [
 ]
 
 
+async def until_one_exists(workspace: Path, *names: str, seconds: float = 5) -> None:
+    """Yield the CPU until one of the guest's ``names`` exists again (a
+    bounded wait: if the guest never makes them, the race assertions say
+    so)."""
+    with trio.move_on_after(seconds):
+        while not any(os.path.lexists(workspace / name) for name in names):
+            await trio.sleep(0.001)
+
+
 async def test_fifos_swapped_in_during_a_recursive_remove_never_block_it(session, workspace):
     outcomes: Counter = Counter()
     fds = open_fds()
@@ -354,6 +363,10 @@ async def test_fifos_swapped_in_during_a_recursive_remove_never_block_it(session
                 for _ in range(3):  # what the race is mostly about
                     await attempt(outcomes, "remove d", session.remove("d", recursive=True))
                     await attempt(outcomes, "remove e", session.remove("e", recursive=True))
+                # The guest makes them again when it next runs; on two busy
+                # cores a host removing them faster can starve it, and then
+                # the race never happens. Let it run until it has.
+                await until_one_exists(workspace, "d", "e")
                 await attempt(outcomes, "read d", session.read_file("d"))
                 await attempt(outcomes, "read e/sub", session.read_file("e/sub"))
                 await attempt(outcomes, "list d", session.list_dir("d"))
