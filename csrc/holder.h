@@ -102,7 +102,6 @@ struct exec_plan {
     char **envp;
     int fds[SBX_NFDS];
     uint64_t rlimits[SBX_NRLIMITS];
-    const struct command_settings *settings;
 };
 pid_t spawn_idle_init(const struct command_settings *settings, int *pidfd, int *request_fd,
                       struct sbx_report *err);

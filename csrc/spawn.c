@@ -27,7 +27,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-
 #include "holder.h"
 #include "syscalls.h"
 
@@ -35,7 +34,6 @@
  * successful execve closes it. */
 #define COMMAND_REPORT_FD 3
 #define DEFAULT_PATH "/usr/local/bin:/usr/bin:/bin"
-
 
 static volatile sig_atomic_t command_pid;
 
@@ -268,7 +266,7 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
 static void __attribute__((noreturn)) run_init(const struct command_settings *settings, int request_fd)
 {
     struct sigaction forward = {.sa_handler = forward_signal};
-    struct exec_plan plan = {.settings = settings};
+    struct exec_plan plan;
     struct sbx_report err;
     int status = 0, command_status = 0, command_done = 0, setup_failed = 0;
     pid_t pid;

@@ -231,8 +231,14 @@ class SandboxSpec:
         return cls(document, base=file.parent, source=str(file), load_problem=problem)
 
     def validate(self) -> list[SpecProblem]:
-        """Every problem with the spec (empty when it is valid)."""
-        return self._examine()[0]
+        """Every problem with the spec (empty when it is valid), including
+        what in a template directory is not a directory or regular file.
+        (Building reads that directory once, refusing the same things,
+        before it starts anything.)"""
+        problems, resolved = self._examine()
+        if resolved is not None and isinstance(resolved.template, Path) and resolved.template.is_dir():
+            problems += [SpecProblem("template.files", problem) for problem in _template_problems(resolved.template)]
+        return problems
 
     def _examine(self) -> tuple[list[SpecProblem], _Resolved | None]:
         if self._load_problem:
@@ -336,12 +342,16 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
-        return await self._create_session(backend, await trio.to_thread.run_sync(self.template_files), host_env)
+        files = await trio.to_thread.run_sync(self.template_files)
+        return await self._create_session(backend, resolved, files, host_env)
 
     async def _create_session(
-        self, backend: Backend, files: dict[str, bytes] | None, host_env: Mapping[str, str] | None
+        self,
+        backend: Backend,
+        resolved: _Resolved,
+        files: dict[str, bytes] | None,
+        host_env: Mapping[str, str] | None,
     ) -> SessionHandle:
-        resolved = self._checked()
         environment = self.environment(host_env)  # refused before anything is created
         network = self.network_policy(host_env)
         lifecycle = {
@@ -451,8 +461,6 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
                 template = (base / files).resolve()
                 if not template.is_dir():
                     c.problem("template.files", f"directory {template} does not exist")
-                for problem in _template_directory_problems(template):
-                    c.problem("template.files", problem)
         elif isinstance(files, Mapping):
             template = {}
             for path, content in c.table(files, "template.files", None).items():
@@ -617,7 +625,7 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
     return tuple(entries)
 
 
-def _template_directory_problems(root: Path) -> list[str]:
+def _template_problems(root: Path) -> list[str]:
     """What in a template directory is not a directory or regular file."""
     problems = []
     for directory, subdirectories, names in os.walk(root):
@@ -632,8 +640,8 @@ def _template_directory_problems(root: Path) -> list[str]:
 
 def _read_directory(root: Path) -> dict[str, bytes]:
     """A template directory's regular files, by relative path; checked
-    again, as it may have changed since validation."""
-    problems = _template_directory_problems(root)
+    here, as the directory may have changed since validation."""
+    problems = _template_problems(root)
     if problems:
         raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"template file {problems[0]}")
     return {
@@ -696,7 +704,7 @@ class _Building:
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle = await spec._create_session(backend, files, host_env=self._host_env)
+            handle = await spec._create_session(backend, resolved, files, self._host_env)
             try:
                 yield SpecSandbox(spec, backend, handle)
             finally:

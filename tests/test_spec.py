@@ -253,7 +253,8 @@ async def test_template_symlinks_and_special_files_are_problems(tmp_path):
     problems = spec.validate()
     assert {problem.field for problem in problems} == {"template.files"}
     assert sorted(problem.message.split()[0].rsplit("/", 1)[1] for problem in problems) == ["dirlink", "fifo", "link"]
-    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, spec.build(state_directory=tmp_path / "state"))
+    # Building reads the directory before anything starts, refusing the same.
+    await refused(ErrorCode.SANDBOX_PATH_REFUSED, spec.build(state_directory=tmp_path / "state"))
     assert not (tmp_path / "state").exists()
 
 
