@@ -18,6 +18,7 @@ HOLDER_SOURCES = [
     "csrc/fds.c",
     "csrc/seccomp.c",
     "csrc/limits.c",
+    "csrc/bwrap_init.c",
     "csrc/enter.c",
     "csrc/idmap.c",
 ]

@@ -13,9 +13,9 @@
  *   4. serves command requests (serve.c, spawn.c) until the control socket
  *      closes, at which point pid 1 exits and the kernel kills the session.
  *
- * `sandboxns-holder --exec ...` and `--enter ...` are other programs in the
- * same binary: the bwrap driver's first step inside bwrap's sandbox
- * (limits.c), and its way to start bwrap where the session lives (its
+ * `sandboxns-holder --init ...` and `--enter ...` are other programs in the
+ * same binary: the bwrap driver's pid 1 inside bwrap's sandbox
+ * (bwrap_init.c), and its way to start bwrap where the session lives (its
  * cgroup, a root host's mount namespace; enter.c).
  */
 #define _GNU_SOURCE
@@ -282,8 +282,8 @@ int main(int argc, char **argv)
     int workspace;
     pid_t host = getppid();
 
-    if (argc > 1 && strcmp(argv[1], "--exec") == 0)
-        return limits_exec_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "--init") == 0)
+        return bwrap_init_main(argc, argv);
     if (argc > 1 && strcmp(argv[1], "--enter") == 0)
         return enter_main(argc, argv);
     reset_signals();

@@ -111,7 +111,9 @@ int holder_serve(int control_fd, const struct command_settings *settings);
 
 /* limits.c */
 int limits_apply(const uint64_t values[SBX_NRLIMITS], struct sbx_report *err);
-int limits_exec_main(int argc, char **argv);
+
+/* bwrap_init.c */
+int bwrap_init_main(int argc, char **argv);
 
 /* enter.c */
 int enter_main(int argc, char **argv);

@@ -2,7 +2,8 @@
  *
  * Namespaces decide what a guest can see; this decides which kernel
  * interfaces it can call at all. Denied: what manipulates the kernel or
- * other processes (modules, kexec, keyrings, bpf, perf, ptrace, process_vm_*),
+ * other processes (modules, kexec, keyrings, bpf, perf, ptrace, process_vm_*,
+ * pidfd_getfd, kcmp),
  * interfaces with a long record of exploitable bugs that sandboxed code has no
  * need for (userfaultfd, io_uring), mounting and namespace games (a guest has
  * no business creating namespaces; the holder made all it needs), terminal
@@ -82,10 +83,13 @@ static const struct denied denied[] = {
     {__NR_io_uring_setup, EPERM, SBX_SECCOMP_IO_URING},
     {__NR_io_uring_enter, EPERM, SBX_SECCOMP_IO_URING},
     {__NR_io_uring_register, EPERM, SBX_SECCOMP_IO_URING},
-    /* Other processes. */
+    /* Other processes: their memory, their fds (pidfd_getfd takes one, kcmp
+     * tells which they hold), and control of them. */
     {__NR_ptrace, EPERM, SBX_SECCOMP_PTRACE},
     {__NR_process_vm_readv, EPERM, SBX_SECCOMP_PTRACE},
     {__NR_process_vm_writev, EPERM, SBX_SECCOMP_PTRACE},
+    {__NR_pidfd_getfd, EPERM, SBX_SECCOMP_PTRACE},
+    {__NR_kcmp, EPERM, SBX_SECCOMP_PTRACE},
     /* Files by handle (a way around path-based confinement). */
     {__NR_open_by_handle_at, EPERM, SBX_SECCOMP_FILE_HANDLES},
     {__NR_name_to_handle_at, EPERM, SBX_SECCOMP_FILE_HANDLES},

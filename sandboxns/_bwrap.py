@@ -11,11 +11,15 @@ bwrap itself does not give, this module adds:
   message, and it becomes a SandboxError (``execvp`` ENOENT is
   SANDBOX_NOT_FOUND as with the native driver; anything else in setup is
   SANDBOX_UNAVAILABLE), never an exit code.
-* bwrap's outer process (the *monitor*) exits as soon as the command does,
-  while the rest of the sandbox (its pid 1, the *init*, and anything the
-  command left behind) is still being killed through ``--die-with-parent``.
-  So a command counts as finished only once the init's pidfd says it is
-  gone; pid 1 of a pid namespace exits only after every other process in it.
+* pid 1 of each command's pid namespace, the *init*, is ours
+  (``sandboxns-holder --init``, which bwrap execs with ``--as-pid-1``), not
+  bwrap's reaper: that one runs as the guest's user and dumpable, so the
+  guest could take it over through /proc/1/mem. Ours is non-dumpable before
+  the command exists, forks it, and exits with its status; the kernel kills
+  what the command left behind before bwrap's outer process (the
+  *monitor*) sees the init go. A command counts as finished only once the
+  init's pidfd says it is gone; pid 1 of a pid namespace exits only after
+  every other process in it.
 * bwrap does not forward signals. A signal for the command goes to the init's
   first child (the command) directly; SIGKILL goes to the init, which takes
   the whole pid namespace with it.
@@ -46,7 +50,7 @@ import trio
 from . import _ffi
 from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits
-from ._driver import GUEST_EXEC, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
+from ._driver import GUEST_INIT, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
@@ -147,9 +151,10 @@ def _plan(
         "--perms", "1777", "--size", str(_ffi.SHM_BYTES), "--tmpfs", "/dev/shm",
         "--perms", "1777", "--size", str(tmp_size), "--tmpfs", "/tmp",
         "--dir", "/run",
-        # The first program inside: it sets the command's rlimits (see
-        # csrc/limits.c) and execs the command.
-        "--ro-bind", str(HOLDER_PATH), GUEST_EXEC,
+        # pid 1 inside, instead of bwrap's reaper (see csrc/bwrap_init.c):
+        # out of the guest's reach; it sets the command's rlimits and
+        # starts it.
+        "--as-pid-1", "--ro-bind", str(HOLDER_PATH), GUEST_INIT,
         "--remount-ro", "/dev",  # bwrap's /dev is a tmpfs the guest could write to
     ]  # fmt: skip
     for mount in mounts:
@@ -268,7 +273,7 @@ class BwrapProcess:
         self._driver = driver
         self._monitor = monitor
         self._status = trio.lowlevel.FdStream(status)
-        # Where `sandboxns-holder --exec` says why it could not start the
+        # Where `sandboxns-holder --init` says why it could not start the
         # command; its end closes (empty) when the command is exec'd.
         self._exec_report = exec_report
         self._status_lock = trio.Lock()
@@ -474,7 +479,7 @@ class BwrapDriver(HostWorkspaceIO):
         self._mounts = extra
         self.confinement = checked_confinement
         self._seccomp_program = checked_confinement.seccomp.program()
-        self._default_rlimits = checked_confinement.limits.exec_argument()
+        self._default_rlimits = checked_confinement.limits.init_argument()
         self._lease = lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
@@ -596,7 +601,7 @@ class BwrapDriver(HostWorkspaceIO):
         limits: ResourceLimits | None = None,
     ) -> BwrapProcess:
         self._check_usable()
-        rlimits = self._default_rlimits if limits is None else limits.exec_argument()
+        rlimits = self._default_rlimits if limits is None else limits.init_argument()
         arguments = [*self._plan, "--chdir", cwd]
         for key, value in env.items():
             arguments += ["--setenv", key, value]
@@ -629,7 +634,7 @@ class BwrapDriver(HostWorkspaceIO):
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
                     [*self._enter, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
-                    + [GUEST_EXEC, "--exec", str(exec_write), rlimits, "--", *argv],
+                    + [GUEST_INIT, "--init", str(exec_write), rlimits, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,

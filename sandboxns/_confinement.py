@@ -95,8 +95,8 @@ class ResourceLimits:
                 values[slot] = value
         return values
 
-    def exec_argument(self) -> str:
-        """The same for ``sandboxns-holder --exec`` (csrc/limits.c):
+    def init_argument(self) -> str:
+        """The same for ``sandboxns-holder --init`` (csrc/bwrap_init.c):
         comma-separated, "-" for a limit left alone."""
         return ",".join("-" if value == _ffi.RLIMIT_INHERIT else str(value) for value in self.slots())
 

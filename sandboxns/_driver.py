@@ -55,8 +55,8 @@ def check_start_arguments(
     return workspace_path.resolve(), policy, checked_confinement
 
 
-# Where the bwrap driver binds the program that starts each command.
-GUEST_EXEC = "/run/sandboxns-exec"
+# Where the bwrap driver binds its init, pid 1 of each command (csrc/bwrap_init.c).
+GUEST_INIT = "/run/sandboxns-init"
 MAX_MOUNTS = 8
 _MOUNT_ROOTS = ("/run/", WORKSPACE + "/")
 
@@ -89,7 +89,7 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
             or posixpath.normpath(guest) != guest
             or any(c in guest for c in ":\0")
             or not guest.startswith(_MOUNT_ROOTS)
-            or guest in (GUEST_SOCKET, GUEST_EXEC)
+            or guest in (GUEST_SOCKET, GUEST_INIT)
         ):
             raise SandboxError(
                 ErrorCode.SANDBOX_PATH_REFUSED,

@@ -760,7 +760,7 @@ async def test_sessions_reach_only_their_own_gateway_and_credentials(backend, nu
         listing = await session.run("sh", ["-c", "ls -A /run; echo ---; env; cat /proc/[0-9]*/environ 2>/dev/null"])
         # Only its own socket (and, under bwrap, the program that starts
         # each command, the same for every session).
-        assert set(listing.stdout.split("---")[0].split()) - {"sandboxns-exec"} == {"sandboxns-network.sock"}, listing
+        assert set(listing.stdout.split("---")[0].split()) - {"sandboxns-init"} == {"sandboxns-network.sock"}, listing
         assert not any(secret in listing.stdout for secret in secrets_of)
     for upstream, secret in zip(upstreams, secrets_of, strict=True):
         assert [request.headers.get("authorization") for request in upstream.requests] == [secret]
