@@ -74,9 +74,11 @@ async def _run_forwarding(session: Session, args: argparse.Namespace, command: l
     env = {**session.environment, **_parse_env(args.env)}
     timeout = session.timeout if args.timeout is None else args.timeout
     argv, env, cwd, timeout = check_command(command[0], command[1:], env, args.cwd, timeout)
-    # The guest may read our input only when it is a pipe or file: a terminal
-    # fd inside the sandbox would be a channel back to the user's session.
-    stdin_fd = None if os.isatty(0) else 0
+    # Our input is copied in as it arrives, never handed over: the guest
+    # could reopen a file given as our stdin for writing through
+    # /proc/self/fd/0. A terminal gives no input (we are not a terminal
+    # emulator, and reading it would take what the user types next).
+    stdin_fd = None if sys.stdin is None or os.isatty(0) else 0
     result = await session._execute(argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd)
     if result.timed_out:
         print(f"sandboxns: command timed out after {timeout:g}s; its processes were killed", file=sys.stderr)

@@ -123,7 +123,7 @@ class SandboxProcess(Protocol):
     async def wait(self) -> ExitStatus:
         """Wait until the command and every descendant are gone, meanwhile
         feeding its output to the sink given to ``spawn`` (and its input
-        data to it); output moves only while someone waits. Killing the
+        to it); output moves only while someone waits. Killing the
         command when the sink asks is part of waiting. May be called again
         after a cancelled wait."""
         ...
@@ -176,8 +176,9 @@ class SandboxDriver(Protocol):
     ) -> SandboxProcess:
         """Start ``argv`` inside the sandbox with exactly ``env``, in ``cwd``
         (an absolute guest path), its stdout and stderr going to ``output``.
-        ``stdin`` is a host fd to hand the command, bytes to feed it, or
-        None (an empty input); ``limits`` replace the session's default
+        ``stdin`` is bytes to feed the command, a host fd to copy its input
+        from (never the fd itself: see sandboxns._pump), or None (an empty
+        input); ``limits`` replace the session's default
         rlimits for this command. Raises SandboxError(SANDBOX_STOPPED) once
         the driver is closed."""
         ...

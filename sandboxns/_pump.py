@@ -1,4 +1,4 @@
-"""Moving a command's bytes: its output into a sink, its input data in.
+"""Moving a command's bytes: its output into a sink, its input in.
 
 A command has up to three pipes and one more fd that says it has ended (the
 native holder's report socket, bwrap's pidfd). Serving each from its own trio
@@ -43,18 +43,102 @@ class OutputSink(Protocol):
         ...
 
 
+class _Input:
+    """Feeds a command's stdin pipe from data, or from a host fd as that fd
+    delivers, through the pump's epoll set. The host fd itself never reaches
+    the guest: through /proc/self/fd a guest reopens any fd it holds, so a
+    host file given as input could be opened for writing."""
+
+    def __init__(self, epoll: select.epoll, data: bytes, source: int | None) -> None:
+        self._epoll = epoll
+        self._pending = memoryview(data)
+        self._source = source
+        self._source_polled = False
+        # The one fd whose readiness moves the input on: the pipe while
+        # there is something to write (or a file to read at will), the
+        # source while there is not.
+        self.waits_on = -1
+        self.child_end, self._pipe = os.pipe2(os.O_CLOEXEC)
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(os.close, self.child_end)
+            cleanup.callback(self.close)
+            os.set_blocking(self._pipe, False)  # our end only: the flag is per open file
+            if source is not None:
+                try:
+                    self._wait_on(source, select.EPOLLIN)
+                    self._source_polled = True
+                except PermissionError:
+                    # epoll refuses regular files (and /dev/null): they are
+                    # always ready, so they are read whenever the pipe drains.
+                    pass
+            if not self._source_polled:
+                self._wait_on(self._pipe, select.EPOLLOUT)
+            cleanup.pop_all()
+
+    def _wait_on(self, fd: int, events: int) -> None:
+        if self.waits_on >= 0:
+            self._epoll.unregister(self.waits_on)
+            self.waits_on = -1
+        self._epoll.register(fd, events)
+        self.waits_on = fd
+
+    def ready(self) -> None:
+        """``waits_on`` is ready: move as much as can move now."""
+        if self.waits_on == self._source:
+            if not self._take_source():
+                self.close()
+                return
+            self._wait_on(self._pipe, select.EPOLLOUT)
+        while True:
+            try:
+                while self._pending:
+                    self._pending = self._pending[os.write(self._pipe, self._pending[:_WRITE_CHUNK]) :]
+            except BlockingIOError:
+                return  # on when the pipe drains
+            except OSError:
+                break  # EPIPE: a command may exit without reading its input; its business
+            if self._source is None:
+                break
+            if self._source_polled:
+                self._wait_on(self._source, select.EPOLLIN)
+                return
+            if not self._take_source():
+                break
+        self.close()
+
+    def _take_source(self) -> bool:
+        """Read the source's next chunk; False at its end. A polled source
+        is read once per readiness, so the read does not block (its file
+        status flags are the caller's, and stay as they are)."""
+        try:
+            chunk = os.read(self._source, _READ_CHUNK)
+        except OSError:
+            chunk = b""  # a directory, say: no more input
+        self._pending = memoryview(chunk)
+        return bool(chunk)
+
+    def close(self) -> None:
+        """End the command's input (idempotent); the source stays open."""
+        if self.waits_on >= 0:
+            self._epoll.unregister(self.waits_on)
+            self.waits_on = -1
+        if self._pipe >= 0:
+            os.close(self._pipe)
+            self._pipe = -1
+
+
 class CommandPipes:
     """The host ends of one command's pipes. The driver gives the other
     ends (:attr:`child_fds`: stdin or None, stdout, stderr) to the command
     and then closes them with :meth:`close_child_ends`."""
 
     def __init__(self, sink: OutputSink, stdin: int | bytes | None) -> None:
-        """``stdin`` is an fd to hand the command as is, bytes to feed it, or
-        None (the driver supplies an empty input)."""
+        """``stdin`` is bytes to feed the command, a host fd to copy its
+        input from as that delivers, or None (the driver supplies an empty
+        input)."""
         self._sink = sink
         self._names: dict[int, str] = {}
-        self._input = memoryview(b"")
-        self._input_fd = -1
+        self._input: _Input | None = None
         self._owned_child_fds: list[int] = []
         self._wants_kill = False
         self.stderr_head = bytearray()
@@ -68,14 +152,13 @@ class CommandPipes:
                 self._owned_child_fds.append(write_end)
                 self._watch(read_end, name)
                 ends.append(write_end)
-            if isinstance(stdin, bytes):
-                read_end, self._input_fd = os.pipe2(os.O_CLOEXEC)
-                self._owned_child_fds.append(read_end)
-                os.set_blocking(self._input_fd, False)  # our end only: the flag is per open file
-                self._input = memoryview(stdin)
-                self._epoll.register(self._input_fd, select.EPOLLOUT)
-                stdin = read_end
-            self.child_fds: tuple[int | None, int, int] = (stdin, *ends)
+            stdin_end = None
+            if stdin is not None:
+                data, source = (stdin, None) if isinstance(stdin, bytes) else (b"", stdin)
+                self._input = _Input(self._epoll, data, source)
+                self._owned_child_fds.append(self._input.child_end)
+                stdin_end = self._input.child_end
+            self.child_fds: tuple[int | None, int, int] = (stdin_end, *ends)
             cleanup.pop_all()
 
     def _watch(self, fd: int, name: str) -> None:
@@ -105,8 +188,8 @@ class CommandPipes:
                 for event_fd, _ in self._epoll.poll(0):
                     if event_fd == fd:
                         ready = True
-                    elif event_fd == self._input_fd:
-                        self._write_input()
+                    elif self._input is not None and event_fd == self._input.waits_on:
+                        self._input.ready()
                     else:
                         self._read(event_fd, _READS_PER_EVENT)
                 if ready or self._wants_kill:
@@ -136,18 +219,6 @@ class CommandPipes:
             if self._sink.feed(name, chunk):
                 self._wants_kill = True
 
-    def _write_input(self) -> None:
-        try:
-            while self._input:
-                self._input = self._input[os.write(self._input_fd, self._input[:_WRITE_CHUNK]) :]
-        except BlockingIOError:
-            return
-        except OSError:
-            pass  # EPIPE: a command may exit without reading its input; its business
-        self._epoll.unregister(self._input_fd)
-        os.close(self._input_fd)
-        self._input_fd = -1
-
     def _forget(self, fd: int) -> None:
         self._epoll.unregister(fd)
         os.close(fd)
@@ -157,10 +228,8 @@ class CommandPipes:
         """Close every host end (idempotent)."""
         for fd in list(self._names):
             self._forget(fd)
-        if self._input_fd >= 0:
-            self._epoll.unregister(self._input_fd)
-            os.close(self._input_fd)
-            self._input_fd = -1
+        if self._input is not None:
+            self._input.close()
         if not self._epoll.closed:
             trio.lowlevel.notify_closing(self._epoll.fileno())
             self._epoll.close()

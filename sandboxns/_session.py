@@ -417,7 +417,8 @@ class Session:
     ) -> RunResult:
         """Run checked arguments to completion, feeding the output to
         ``output`` (which may ask for the command to be killed). ``stdin``
-        is data to feed, or a host fd to pass through (the CLI's own input).
+        is data to feed, or a host fd to copy the input from as it arrives
+        (the CLI's own input; the fd itself never reaches the guest).
         On cancellation the command gets ``cancel_grace`` seconds between
         SIGTERM and SIGKILL."""
         if self._changing_network:

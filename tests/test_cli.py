@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,71 @@ def test_run_with_a_destroying_spec_leaves_nothing(tmp_path):
     assert conflicting.returncode == 126 and b"--network comes from the spec" in conflicting.stderr
     unset = sandboxns("run", "--spec", str(spec), "--state-dir", str(state), "--", "true", cwd=tmp_path)
     assert unset.returncode == 126 and b"CLI_TEST_USER" in unset.stderr
+
+
+def _run_argv(driver_name: str, *command: str) -> list[str]:
+    return [sys.executable, "-m", "sandboxns", "run", "--driver", driver_name, "--", *command]
+
+
+# What the guest's fd 0-2 are, then its attempts to reach the caller's
+# redirected files through them. (Reopening its own pipes may be refused:
+# on a root host they are root's.)
+REOPEN_STDIO = """
+readlink /proc/self/fd/0 /proc/self/fd/1 /proc/self/fd/2 >&2
+cat
+(echo PWNED > /proc/self/fd/0; echo PWNED >> /proc/self/fd/0; true > /proc/self/fd/1) 2>/dev/null
+echo after
+"""
+
+
+def test_run_gives_the_guest_pipes_never_the_callers_files(driver_name, tmp_path):
+    given = tmp_path / "given"
+    given.write_bytes(b"host data\n")
+    out = tmp_path / "out"
+    out.write_bytes(b"kept\n")
+    with given.open("rb") as stdin, out.open("ab") as stdout:
+        done = subprocess.run(
+            _run_argv(driver_name, "/bin/sh", "-c", REOPEN_STDIO),
+            check=False, cwd=tmp_path, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, timeout=60,
+            env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [line.split(b":")[0] for line in done.stderr.splitlines()] == [b"pipe"] * 3, done.stderr
+    assert given.read_bytes() == b"host data\n"
+    assert out.read_bytes() == b"kept\nhost data\nafter\n"
+
+
+def test_run_copies_stdin_as_it_arrives(driver_name, tmp_path):
+    with subprocess.Popen(
+        _run_argv(driver_name, "/bin/sh", "-c", "read a; echo got $a; read b; echo got $b"),
+        cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
+    ) as running:  # fmt: skip
+        running.stdin.write(b"one\n")
+        running.stdin.flush()
+        # The answer to the first line comes while the second is unwritten.
+        assert select.select([running.stdout], [], [], 30)[0], "no answer to the first line"
+        assert running.stdout.readline() == b"got one\n"
+        running.stdin.write(b"two\n")
+        running.stdin.close()
+        assert running.stdout.read() == b"got two\n"
+        assert running.wait(timeout=30) == 0
+
+
+def test_run_input_from_files_and_pipes_nobody_reads(driver_name, tmp_path):
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    large = tmp_path / "large"
+    large.write_bytes(os.urandom(3 << 20))
+    for source, expected in ((large, b"%d\n" % (3 << 20)), (Path(os.devnull), b"0\n")):
+        with source.open("rb") as stdin:
+            done = subprocess.run(
+                _run_argv(driver_name, "/bin/sh", "-c", "wc -c"),
+                check=False, cwd=tmp_path, stdin=stdin, capture_output=True, env=env, timeout=60,
+            )  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, expected), done.stderr
+    # A command that exits without reading ends the run, though its input
+    # never ends.
+    with subprocess.Popen(_run_argv(driver_name, "true"), cwd=tmp_path, stdin=subprocess.PIPE, env=env) as running:
+        running.stdin.write(b"never read\n")
+        running.stdin.flush()
+        assert running.wait(timeout=30) == 0
