@@ -49,11 +49,25 @@ __all__ = [
 ]
 
 
+def _refuse_trio_caller() -> None:
+    """A blocking call from a trio task would stall its whole event loop
+    (and trio refuses to wait for another loop from one), so code running
+    trio is told to use the async API before anything is made."""
+    if trio.lowlevel.in_trio_run():
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT,
+            "sandboxns.blocking was called inside a running trio event loop; use the async API there "
+            "(sandboxns.open_backend, open_sandbox, SandboxSpec.build), or call this from a thread "
+            "(trio.to_thread.run_sync)",
+        )
+
+
 class _Portal:
     """A thread running trio, holding one async context manager open until
     :meth:`close`, and running callers' coroutines meanwhile."""
 
     def __init__(self, open_context: Callable[[], AbstractAsyncContextManager]) -> None:
+        _refuse_trio_caller()
         self._started = threading.Event()
         self._failure: BaseException | None = None
         self._closed = False
@@ -106,6 +120,7 @@ class _Portal:
                 ErrorCode.SANDBOX_INVALID_ARGUMENT,
                 "the blocking API was called from its own trio thread (a callback?); use the async API there",
             )
+        _refuse_trio_caller()
 
     def close(self) -> None:
         """Leave the context (stopping what it owns) and end the thread.

@@ -8,6 +8,7 @@ import os
 import threading
 
 import pytest
+import trio
 from conftest import descendants
 
 from sandboxns import ErrorCode, SandboxError, SandboxSpec, blocking
@@ -103,3 +104,31 @@ def test_the_blocking_api_refuses_calls_from_its_own_thread(tmp_path):
     with pytest.raises(SandboxError) as error:
         sandbox.run("true")
     assert error.value.code == ErrorCode.SANDBOX_STOPPED
+
+
+async def test_inside_a_trio_loop_the_blocking_api_refuses_at_once(tmp_path):
+    # Its calls could never wait there: refused before a thread or a
+    # sandbox exists, naming the way that works.
+    spec = SandboxSpec.from_dict({"id": "in-trio"})
+    for open_ in (
+        lambda: blocking.open_sandbox(tmp_path),
+        lambda: blocking.open_backend(state_directory=tmp_path / "state"),
+        lambda: blocking.build(spec, state_directory=tmp_path / "state"),
+    ):
+        with pytest.raises(SandboxError) as error:
+            open_()
+        assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+        assert "async API" in error.value.message
+    assert not [t for t in threading.enumerate() if t.name == "sandboxns-blocking"]
+    assert not descendants(os.getpid())
+    assert not (tmp_path / "state").exists()
+    # One opened from a thread is refused the same way from a trio task,
+    # and works from a thread again.
+    sandbox = await trio.to_thread.run_sync(blocking.open_sandbox, tmp_path)
+    try:
+        with pytest.raises(SandboxError) as error:
+            sandbox.run("true")
+        assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+        assert (await trio.to_thread.run_sync(sandbox.run, "true")).exit_code == 0
+    finally:
+        await trio.to_thread.run_sync(sandbox.close)
