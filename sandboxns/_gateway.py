@@ -58,6 +58,8 @@ CLIENT_TIMEOUT = 10.0
 IDLE_TIMEOUT = 60.0
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
+# How much of what a guest asked for an audit record keeps.
+MAX_REQUESTED_CHARS = 256
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -94,7 +96,11 @@ logger = logging.getLogger("sandboxns.gateway")
 
 @dataclass(frozen=True)
 class AuditRecord:
-    """One request through a gateway. Never holds a header value."""
+    """One request through a gateway. Never holds a header value.
+
+    ``origin`` is the allowed origin the request went to, None when it was
+    refused before one matched; ``requested`` is what the guest asked to
+    reach, as far as the gateway could read it (see :func:`_requested`)."""
 
     session_id: str
     origin: str | None
@@ -105,6 +111,7 @@ class AuditRecord:
     bytes_out: int
     duration: float
     reason: str = ""
+    requested: str = ""
 
 
 class GatewayHub:
@@ -170,7 +177,7 @@ class GatewayHub:
             "%s %s %s%s -> %d (%d bytes in, %d out, %.1f ms)%s",
             record.session_id,
             record.method,
-            record.origin or "-",
+            record.origin or record.requested or "-",
             record.path,
             record.status,
             record.bytes_in,
@@ -446,6 +453,9 @@ class Gateway:
         the bytes already read past this request."""
         started = time.monotonic()
         method, path, origin_text, bytes_in, bytes_out = "-", "-", None, 0, 0
+        # Until the request parses, what its request line names.
+        words = head.split(b"\n", 1)[0].split()
+        requested = _printable(words[1] if len(words) > 1 else b"")
         close = False
         self._on_request()
         try:
@@ -462,11 +472,12 @@ class Gateway:
             target = request.target.decode("ascii", "replace")
             path = _path_of(target)
             close = _wants_close(request)
+            host = [value for name, value in request.headers if name == b"host"]
+            requested = _requested(target, host)
             if request.method.upper() in (b"CONNECT", b"TRACE"):
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
             if any(name == b"upgrade" for name, _ in request.headers):
                 raise Refusal(400, "protocol upgrades are not allowed through the gateway", close=True)
-            host = [value for name, value in request.headers if name == b"host"]
             if len(host) != 1:
                 raise Refusal(400, "the request needs exactly one Host header", close=True)
             try:
@@ -505,20 +516,20 @@ class Gateway:
                 data = response.body
             bytes_out = len(data)
             await self._send(stream, _response_head(response.status, response.reason, headers, close) + data)
-            self._audit(method, origin_text, path, response.status, bytes_in, bytes_out, started, "")
+            self._audit(method, origin_text, requested, path, response.status, bytes_in, bytes_out, started, "")
             return not close, rest
         except Refusal as refusal:
             # A refusal ends the connection if the guest asked for that too.
             close = refusal.close or close
             await self._send(stream, _plain_response(refusal.status, refusal.reason, close, head=method == "HEAD"))
-            self._audit(method, origin_text, path, refusal.status, bytes_in, 0, started, refusal.reason)
+            self._audit(method, origin_text, requested, path, refusal.status, bytes_in, 0, started, refusal.reason)
             return not close, rest
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             return False, b""  # the guest hung up or does not read its answers
         except Exception as exc:  # noqa: BLE001 - a bug must not reach the guest, only the host
             self._report(exc)
             await self._send(stream, _plain_response(502, "internal gateway error", close=True, head=method == "HEAD"))
-            self._audit(method, origin_text, path, 502, bytes_in, 0, started, "internal gateway error")
+            self._audit(method, origin_text, requested, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
 
     async def _read_body(
@@ -586,13 +597,12 @@ class Gateway:
             await trio.aclose_forcefully(stream)
 
     def _audit(
-        self, method: str, origin: str | None, path: str, status: int, bytes_in: int, bytes_out: int,
-        started: float, reason: str,
+        self, method: str, origin: str | None, requested: str, path: str, status: int, bytes_in: int,
+        bytes_out: int, started: float, reason: str,
     ) -> None:  # fmt: skip
+        duration = time.monotonic() - started
         self._hub.publish(
-            AuditRecord(
-                self.session_id, origin, method, path, status, bytes_in, bytes_out, time.monotonic() - started, reason
-            )
+            AuditRecord(self.session_id, origin, method, path, status, bytes_in, bytes_out, duration, reason, requested)
         )
 
 
@@ -630,6 +640,36 @@ async def _linger(stream: trio.SocketStream) -> None:
         with trio.move_on_after(LINGER_TIMEOUT):
             while drained < LINGER_BYTES and (chunk := await stream.receive_some(_READ)):
                 drained += len(chunk)
+
+
+def _requested(target: str, host_headers: list[bytes]) -> str:
+    """What a request asked to reach, for its audit record: the origin of
+    an absolute URL (``scheme://host:port``), else the Host header's host
+    and port (the guest speaks plain HTTP to the socket, so the scheme is
+    not its to say), else what it sent, as printable text."""
+    if not target.startswith("/"):
+        try:
+            parts = urlsplit(target)
+            port = parts.port
+        except ValueError:
+            return _printable(target.encode("ascii", "replace"))
+        if parts.scheme in DEFAULT_PORTS and parts.hostname:
+            return f"{parts.scheme}://{canonical_host(parts.hostname)}:{port or DEFAULT_PORTS[parts.scheme]}"
+        return _printable(target.encode("ascii", "replace"))  # CONNECT's host:port, say
+    if len(host_headers) != 1:
+        return _printable(b",".join(host_headers))
+    try:
+        host, port = _split_host(host_headers[0].decode("ascii", "replace"))
+    except Refusal:
+        return _printable(host_headers[0])
+    return host if port is None else f"{host}:{port}"
+
+
+def _printable(raw: bytes) -> str:
+    """Guest bytes as an audit record may hold them: printable ASCII, at
+    most MAX_REQUESTED_CHARS (log lines must not be forged or flooded)."""
+    text = raw[:MAX_REQUESTED_CHARS].decode("ascii", "replace")
+    return "".join(c if c.isprintable() and c.isascii() else "?" for c in text)
 
 
 def _path_of(target: str) -> str:

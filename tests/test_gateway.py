@@ -262,6 +262,28 @@ async def test_audit_records(driver_name, tmp_path, upstreams):
     assert (first.origin, first.method, first.path, first.status, first.bytes_in) == (a.origin, "POST", "/in", 200, 5)
     assert first.bytes_out > 0 and first.session_id == handle.session_id
     assert (second.origin, second.status) == (None, 403) and "not an allowed origin" in second.reason
+    assert (first.requested, second.requested) == (a.host, b.host)
+
+
+async def test_audit_records_of_refusals_say_what_was_asked_for(driver_name, tmp_path, upstreams):
+    a, b, a_tls = upstreams
+    async with sandboxns.open_backend(driver=driver_name, state_directory=tmp_path / "state") as backend:
+        template = await backend.prewarm(template="t", files={})
+        handle = await backend.create(template=template.template_key, network=policy_for(a))
+        asked = [
+            (http("GET", "/x", "Evil.Example.:8443"), "evil.example:8443"),
+            (http("GET", "https://EVIL.example/x?token=1", "evil.example:443"), "https://evil.example:443"),
+            (http("GET", f"http://{b.host}/x", a.host), f"http://{b.host}"),
+            (http("CONNECT", "evil.example:443", "evil.example:443"), "evil.example:443"),
+            (http("GET", "/x", "evil example"), "evil example"),
+            (b"GET /\x01\xff" + b"x" * 1000 + b" HTTP/1.1\r\nHost: a\r\n\r\n", "/??" + "x" * 253),
+        ]
+        async with backend.audit_records() as records:
+            for raw, _ in asked:
+                await send(handle.session, raw)
+            seen = [await records.receive() for _ in asked]
+    assert [(record.origin, record.requested) for record in seen] == [(None, expected) for _, expected in asked]
+    assert all(record.status >= 400 for record in seen), seen
 
 
 async def test_a_gateway_request_counts_as_session_activity(driver_name, tmp_path, upstreams):
