@@ -44,6 +44,8 @@ EDIT_NO_MATCH = "EDIT_NO_MATCH"
 EDIT_AMBIGUOUS = "EDIT_AMBIGUOUS"
 EDIT_STALE = "EDIT_STALE"
 UNAVAILABLE_REASON = "the sandbox could not prepare this operation"
+# The tool name on_tool_error gets for a failure while the tools are made.
+CREATING_TOOLS = "create_sandbox_coding_tools"
 # A cancelled tool call's command gets this long between SIGTERM and SIGKILL.
 CANCEL_GRACE = 0.2
 # Failures of a command the model can act on; any other is the sandbox's.
@@ -56,6 +58,9 @@ REFUSED_AS_IS = frozenset(
         ErrorCode.SANDBOX_LIMIT,
     }
 )
+# Failures of the probe the caller can act on (wait for a slot, use a live
+# session); any other means the sandbox could not be checked.
+PROBE_REFUSED_AS_IS = frozenset({ErrorCode.SANDBOX_BUSY, ErrorCode.SANDBOX_STOPPED})
 
 logger = logging.getLogger("sandboxns.coding")
 
@@ -84,7 +89,9 @@ class CodingLimits:
 @dataclass(frozen=True)
 class CodingHooks:
     """``on_tool_error(tool_name, exception)`` gets the real cause of a
-    refusal the model only sees as a fixed reason (SANDBOX_UNAVAILABLE)."""
+    refusal the model only sees as a fixed reason (SANDBOX_UNAVAILABLE);
+    ``tool_name`` is "create_sandbox_coding_tools" for a failure while the
+    tools are made (the restriction probe)."""
 
     on_tool_error: Callable[[str, BaseException], object] | None = None
 
@@ -346,12 +353,16 @@ class _Binding:
         except SandboxError as exc:
             raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
 
-    def unavailable(self, tool: str, cause: BaseException) -> ToolRefusal:
+    def report(self, tool: str, cause: BaseException) -> None:
+        """Give the host the real cause of a fixed reason."""
         if self.hooks.on_tool_error is not None:
             try:
                 self.hooks.on_tool_error(tool, cause)
             except Exception:  # a host hook must not break the tool
                 logger.exception("on_tool_error raised")
+
+    def unavailable(self, tool: str, cause: BaseException) -> ToolRefusal:
+        self.report(tool, cause)
         return ToolRefusal(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON)
 
 
@@ -483,7 +494,10 @@ async def create_sandbox_coding_tools(
     try:
         binding.grade = await _probe(binding)
         binding.graded_generation = session.network_generation
-    except (SandboxError, RuntimeError) as exc:
+    except Exception as exc:  # whatever broke, the host's hook hears of it
+        if isinstance(exc, SandboxError) and exc.code in PROBE_REFUSED_AS_IS:
+            raise
+        binding.report(CREATING_TOOLS, exc)
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON) from exc
     missing = [r for r in required_restrictions if not (binding.grade.get(r) and _policy_allows(r, binding))]
     if missing:

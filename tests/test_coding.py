@@ -3,10 +3,13 @@ hooks see, and every way a call is refused."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import pickle
+import resource
 
 import pytest
 import trio
@@ -352,19 +355,26 @@ async def test_timeout_output_limit_and_cancellation_kill_background_children(se
     assert host_processes_with(marker) == []
 
 
-async def test_commands_share_the_admission_limit(driver_name, state_dir, workspace, recorder):
+async def test_commands_and_the_probe_share_the_admission_limit(driver_name, state_dir, workspace, recorder):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
     async with sandboxns.open_backend(
         driver=driver_name, state_directory=state_dir, max_concurrent_commands=1
     ) as backend:
         handle = await backend.create(workspace=workspace)
-        tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize)
+        tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize, hooks=hooks)
         started = workspace / "started"
         os.mkfifo(started)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.session.run, "sh", ["-c", "echo > started; sleep 100"])
             await trio.to_thread.run_sync(started.read_bytes)
             refused(await call(tools, "run_command", executable="shell", args=["-c", "true"]), "SANDBOX_BUSY")
+            # A full backend is the caller's to wait out, not a broken sandbox.
+            with pytest.raises(SandboxError) as error:
+                await create_sandbox_coding_tools(handle, authorize=recorder.authorize, hooks=hooks)
+            assert error.value.code == ErrorCode.SANDBOX_BUSY
             nursery.cancel_scope.cancel()
+    assert seen == []
 
 
 async def test_stopped_tools_refuse_everything_and_new_ones_work(driver_name, state_dir, recorder):
@@ -417,16 +427,17 @@ async def test_a_policy_change_during_preparation_voids_the_launch(session, work
 
 async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recorder, monkeypatch):
     seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
     monkeypatch.setattr(_coding, "_PROBE", "exit 3")
     with pytest.raises(SandboxError) as error:
-        await create_sandbox_coding_tools(session, authorize=recorder.authorize)
-    assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE and error.value.__cause__ is not None
+        await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
+    [(tool, cause)] = seen
+    assert tool == "create_sandbox_coding_tools" and cause is error.value.__cause__
+    assert str(cause).startswith("restriction probe failed: 3")
+    seen.clear()
     monkeypatch.undo()
-    tools = await create_sandbox_coding_tools(
-        session,
-        authorize=recorder.authorize,
-        hooks=CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc))),
-    )
+    tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
 
     async def broken(*args, **kwargs):
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "holder exploded at /some/host/path")
@@ -435,6 +446,38 @@ async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recor
     result = await call(tools, "run_command", executable="shell")
     assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
     assert [(tool, exc.message) for tool, exc in seen] == [("run_command", "holder exploded at /some/host/path")]
+
+
+@contextlib.contextmanager
+def no_free_file_descriptors():
+    """Every file descriptor this process may have in use, as on a host that
+    ran out of them: the next one opened fails with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_raw_os_error_while_the_tools_are_made_is_unavailable(session, recorder):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
+    with no_free_file_descriptors(), pytest.raises(SandboxError) as error:
+        await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
+    [(tool, cause)] = seen
+    assert tool == "create_sandbox_coding_tools" and isinstance(cause, OSError) and cause.errno == errno.EMFILE
+    # The session itself is fine once the host has descriptors again.
+    tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (await call(tools, "run_command", executable="shell", args=["-c", "true"]))["exit_code"] == 0
 
 
 async def test_a_driver_without_a_workspace_binding_is_refused(session):
