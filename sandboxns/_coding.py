@@ -54,7 +54,6 @@ REFUSED_AS_IS = frozenset(
         ErrorCode.SANDBOX_NOT_FOUND,
         ErrorCode.SANDBOX_INVALID_ARGUMENT,
         ErrorCode.SANDBOX_BUSY,
-        ErrorCode.SANDBOX_STOPPED,
         ErrorCode.SANDBOX_LIMIT,
     }
 )
@@ -832,6 +831,9 @@ class _Implementation:
         await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
         if binding.session.network_generation != generation:
             raise ToolRefusal(INSUFFICIENT, "the network policy changed while the command was prepared", "call again")
+        # A stop while the host decided is a refusal (nothing ran); from
+        # here on, a stop is one under the command.
+        binding.check_live()
         capture = _OutputCapture(self.limits.max_artifact_bytes)
         started = trio.current_time()
         try:
@@ -844,10 +846,10 @@ class _Implementation:
                 cancel_grace=CANCEL_GRACE,
             )
         except SandboxError as exc:
-            if exc.code == ErrorCode.SANDBOX_STOPPED and capture.kept:
-                # The session was stopped under a running command: it was
-                # killed, and what it wrote so far is still worth showing.
-                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), False)
+            if exc.code == ErrorCode.SANDBOX_STOPPED:
+                # The session was stopped under the command: it was killed,
+                # and what it wrote so far (maybe nothing) is worth showing.
+                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), capture.truncated)
                 duration = round(trio.current_time() - started, 3)
                 return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
             if exc.code in REFUSED_AS_IS:
