@@ -46,6 +46,8 @@ EDIT_STALE = "EDIT_STALE"
 UNAVAILABLE_REASON = "the sandbox could not prepare this operation"
 # The tool name on_tool_error gets for a failure while the tools are made.
 CREATING_TOOLS = "create_sandbox_coding_tools"
+# How many invalid UTF-8 sequences a read_file result locates.
+INVALID_OFFSETS_SHOWN = 5
 # A cancelled tool call's command gets this long between SIGTERM and SIGKILL.
 CANCEL_GRACE = 0.2
 # Failures of a command the model can act on; any other is the sandbox's.
@@ -558,7 +560,9 @@ class _Implementation:
     def tools(self) -> list[Tool]:
         path = {"type": "string", "description": "workspace-relative path, or /workspace/..."}
         return [
-            Tool("read_file", "Read a text file of the workspace, a slice at a time.", _schema(
+            Tool("read_file", "Read a text file of the workspace, a slice at a time. Bytes that are not UTF-8 "
+                 "are shown as U+FFFD; the result then has replaced_invalid_utf8: true and invalid_utf8_offsets "
+                 f"(the file offsets of the first {INVALID_OFFSETS_SHOWN} such sequences).", _schema(
                 {"path": path, "offset": {"type": "integer", "minimum": 0, "default": 0},
                  "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
                 ["path"]), self.read_file),
@@ -606,7 +610,7 @@ class _Implementation:
         result = await self.call_files(
             files.read_slice, guest_path, offset, max_bytes, self.limits.max_hashed_file_bytes
         )
-        return {
+        reply = {
             "path": guest_path,
             "text": result.data.decode("utf-8", "replace"),
             "bytes": len(result.data),
@@ -616,6 +620,11 @@ class _Implementation:
             "truncated": result.next_offset is not None,
             "next_offset": result.next_offset,
         }
+        invalid = files.invalid_utf8_offsets(result.data, INVALID_OFFSETS_SHOWN)
+        if invalid:  # the model must not take a U+FFFD for the file's content
+            reply["replaced_invalid_utf8"] = True
+            reply["invalid_utf8_offsets"] = [result.offset + position for position in invalid]
+        return reply
 
     async def write_file(self, arguments: dict) -> dict:
         guest_path = check_tool_path(arguments.get("path"), self.limits)
@@ -896,7 +905,7 @@ class _Implementation:
         artifact = self.artifacts.get(reference)
         await self.authorize(ArtifactOperation(reference, "artifact-read"))
         data = getattr(artifact, stream)
-        window = data[offset : offset + max_bytes + 4]
+        window = data[offset : offset + files.utf8_window(max_bytes)]
         start, end = files._utf8_slice(window, max_bytes)
         next_offset = offset + end if offset + end < len(data) else None
         return {"reference": reference, "stream": stream, "offset": offset + start,

@@ -559,3 +559,33 @@ async def test_a_character_is_never_split_even_when_asked_for_less(tools, worksp
     first = await call(tools, "read_file", path="e.txt", max_bytes=1)
     second = await call(tools, "read_file", path="e.txt", offset=first["next_offset"], max_bytes=1)
     assert (first["text"], second["text"], second["next_offset"]) == ("é", "😀", None)
+
+
+async def test_read_says_where_it_replaced_bytes_that_are_not_utf8(tools, workspace):
+    # Latin-1 bytes, a cut-off character and stray continuation bytes.
+    (workspace / "mixed.txt").write_bytes(b"ok \xff\xfe mid \xe2\x82 end " + b"\x80" * 3 + "é".encode())
+    whole = await call(tools, "read_file", path="mixed.txt")
+    assert whole["text"] == "ok \ufffd\ufffd mid \ufffd end \ufffd\ufffd\ufffdé"
+    assert (whole["replaced_invalid_utf8"], whole["invalid_utf8_offsets"]) == (True, [3, 4, 10, 17, 18])  # 5 of 6
+    part = await call(tools, "read_file", path="mixed.txt", offset=8, max_bytes=6)
+    assert (part["text"], part["invalid_utf8_offsets"]) == ("d \ufffd e", [10])  # offsets in the file
+    (workspace / "clean.txt").write_text("a\ufffdb")  # U+FFFD itself is text like any other
+    clean = await call(tools, "read_file", path="clean.txt")
+    assert clean["text"] == "a\ufffdb" and "replaced_invalid_utf8" not in clean and "invalid_utf8_offsets" not in clean
+
+
+async def test_a_read_starting_or_ending_inside_a_character_replaces_nothing(tools, workspace):
+    data = ("😀😀é" * 2).encode()
+    (workspace / "e.txt").write_bytes(data)
+    for offset in range(len(data)):
+        for max_bytes in (1, 2, 3, 4, 5):
+            result = await call(tools, "read_file", path="e.txt", offset=offset, max_bytes=max_bytes)
+            assert "replaced_invalid_utf8" not in result, (offset, max_bytes, result)
+            # What was read is whole characters, exactly those of the file there.
+            start = result["offset"]
+            assert result["text"] == data[start : start + result["bytes"]].decode("utf-8"), (offset, max_bytes)
+    # Command output is paged the same way.
+    script = "python3 -c \"print('\\U0001f600' * 20000, end='')\""
+    reference = (await call(tools, "run_command", executable="shell", args=["-c", script]))["artifact"]["reference"]
+    page = await call(tools, "read_output", reference=reference, offset=1, max_bytes=1)
+    assert (page["offset"], page["text"], page["next_offset"]) == (4, "😀", 8)
