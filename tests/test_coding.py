@@ -13,7 +13,7 @@ import resource
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker
+from conftest import host_processes_with, kill_native_holder, sleep_marker
 
 import sandboxns
 from sandboxns import CodingHooks, CodingLimits, ErrorCode, SandboxError, _coding, create_sandbox_coding_tools
@@ -513,6 +513,44 @@ async def test_stopping_the_session_cancels_a_running_command(driver_name, state
     [result] = results
     assert (result.get("outcome"), result.get("exit_code"), result.get("stdout")) == ("cancelled", None, output), result
     assert host_processes_with(marker) == []
+
+
+@pytest.mark.parametrize("when", ["between calls", "under a command"])
+async def test_a_holder_killed_from_the_host_is_unavailable_then_stopped(workspace, recorder, when):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
+    marker = sleep_marker()
+    async with sandboxns.open_sandbox(workspace, driver="native") as session:
+        tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+        if when == "between calls":
+            await kill_native_holder(session)
+            result = await call(tools, "run_command", executable="shell", args=["-c", "true"])
+        else:
+            started = workspace / "started"
+            os.mkfifo(started)
+            results = []
+
+            async def long() -> None:
+                script = f"echo partial; echo > started; sleep {marker}"
+                results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long)
+                await trio.to_thread.run_sync(started.read_bytes)
+                await kill_native_holder(session)
+            [result] = results
+        assert host_processes_with(marker) == []
+        # A broken sandbox, not a stop: the model gets the fixed reason, the
+        # host the cause.
+        assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
+        [(tool, cause)] = seen
+        assert tool == "run_command" and cause.code == ErrorCode.SANDBOX_UNAVAILABLE and "holder" in cause.message
+        # The session is gone for the tools and the session alike.
+        for name, arguments in (("run_command", {"executable": "shell"}), ("read_file", {"path": "x"})):
+            refused(await tools.dispatch(name, arguments), "SANDBOX_STOPPED")
+        with pytest.raises(SandboxError) as error:
+            await session.run("true")
+        assert error.value.code == ErrorCode.SANDBOX_STOPPED
 
 
 async def test_what_a_model_writes_cannot_hang_or_crash_the_host(session, workspace, recorder):
