@@ -44,6 +44,10 @@ EDIT_NO_MATCH = "EDIT_NO_MATCH"
 EDIT_AMBIGUOUS = "EDIT_AMBIGUOUS"
 EDIT_STALE = "EDIT_STALE"
 UNAVAILABLE_REASON = "the sandbox could not prepare this operation"
+# The tool name on_tool_error gets for a failure while the tools are made.
+CREATING_TOOLS = "create_sandbox_coding_tools"
+# How many invalid UTF-8 sequences a read_file result locates.
+INVALID_OFFSETS_SHOWN = 5
 # A cancelled tool call's command gets this long between SIGTERM and SIGKILL.
 CANCEL_GRACE = 0.2
 # Failures of a command the model can act on; any other is the sandbox's.
@@ -52,10 +56,12 @@ REFUSED_AS_IS = frozenset(
         ErrorCode.SANDBOX_NOT_FOUND,
         ErrorCode.SANDBOX_INVALID_ARGUMENT,
         ErrorCode.SANDBOX_BUSY,
-        ErrorCode.SANDBOX_STOPPED,
         ErrorCode.SANDBOX_LIMIT,
     }
 )
+# Failures of the probe the caller can act on (wait for a slot, use a live
+# session); any other means the sandbox could not be checked.
+PROBE_REFUSED_AS_IS = frozenset({ErrorCode.SANDBOX_BUSY, ErrorCode.SANDBOX_STOPPED})
 
 logger = logging.getLogger("sandboxns.coding")
 
@@ -84,7 +90,9 @@ class CodingLimits:
 @dataclass(frozen=True)
 class CodingHooks:
     """``on_tool_error(tool_name, exception)`` gets the real cause of a
-    refusal the model only sees as a fixed reason (SANDBOX_UNAVAILABLE)."""
+    refusal the model only sees as a fixed reason (SANDBOX_UNAVAILABLE);
+    ``tool_name`` is "create_sandbox_coding_tools" for a failure while the
+    tools are made (the restriction probe)."""
 
     on_tool_error: Callable[[str, BaseException], object] | None = None
 
@@ -346,12 +354,16 @@ class _Binding:
         except SandboxError as exc:
             raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
 
-    def unavailable(self, tool: str, cause: BaseException) -> ToolRefusal:
+    def report(self, tool: str, cause: BaseException) -> None:
+        """Give the host the real cause of a fixed reason."""
         if self.hooks.on_tool_error is not None:
             try:
                 self.hooks.on_tool_error(tool, cause)
             except Exception:  # a host hook must not break the tool
                 logger.exception("on_tool_error raised")
+
+    def unavailable(self, tool: str, cause: BaseException) -> ToolRefusal:
+        self.report(tool, cause)
         return ToolRefusal(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON)
 
 
@@ -483,7 +495,10 @@ async def create_sandbox_coding_tools(
     try:
         binding.grade = await _probe(binding)
         binding.graded_generation = session.network_generation
-    except (SandboxError, RuntimeError) as exc:
+    except Exception as exc:  # whatever broke, the host's hook hears of it
+        if isinstance(exc, SandboxError) and exc.code in PROBE_REFUSED_AS_IS:
+            raise
+        binding.report(CREATING_TOOLS, exc)
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON) from exc
     missing = [r for r in required_restrictions if not (binding.grade.get(r) and _policy_allows(r, binding))]
     if missing:
@@ -545,7 +560,9 @@ class _Implementation:
     def tools(self) -> list[Tool]:
         path = {"type": "string", "description": "workspace-relative path, or /workspace/..."}
         return [
-            Tool("read_file", "Read a text file of the workspace, a slice at a time.", _schema(
+            Tool("read_file", "Read a text file of the workspace, a slice at a time. Bytes that are not UTF-8 "
+                 "are shown as U+FFFD; the result then has replaced_invalid_utf8: true and invalid_utf8_offsets "
+                 f"(the file offsets of the first {INVALID_OFFSETS_SHOWN} such sequences).", _schema(
                 {"path": path, "offset": {"type": "integer", "minimum": 0, "default": 0},
                  "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
                 ["path"]), self.read_file),
@@ -593,7 +610,7 @@ class _Implementation:
         result = await self.call_files(
             files.read_slice, guest_path, offset, max_bytes, self.limits.max_hashed_file_bytes
         )
-        return {
+        reply = {
             "path": guest_path,
             "text": result.data.decode("utf-8", "replace"),
             "bytes": len(result.data),
@@ -603,6 +620,11 @@ class _Implementation:
             "truncated": result.next_offset is not None,
             "next_offset": result.next_offset,
         }
+        invalid = files.invalid_utf8_offsets(result.data, INVALID_OFFSETS_SHOWN)
+        if invalid:  # the model must not take a U+FFFD for the file's content
+            reply["replaced_invalid_utf8"] = True
+            reply["invalid_utf8_offsets"] = [result.offset + position for position in invalid]
+        return reply
 
     async def write_file(self, arguments: dict) -> dict:
         guest_path = check_tool_path(arguments.get("path"), self.limits)
@@ -818,6 +840,9 @@ class _Implementation:
         await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
         if binding.session.network_generation != generation:
             raise ToolRefusal(INSUFFICIENT, "the network policy changed while the command was prepared", "call again")
+        # A stop while the host decided is a refusal (nothing ran); from
+        # here on, a stop is one under the command.
+        binding.check_live()
         capture = _OutputCapture(self.limits.max_artifact_bytes)
         started = trio.current_time()
         try:
@@ -830,10 +855,10 @@ class _Implementation:
                 cancel_grace=CANCEL_GRACE,
             )
         except SandboxError as exc:
-            if exc.code == ErrorCode.SANDBOX_STOPPED and capture.kept:
-                # The session was stopped under a running command: it was
-                # killed, and what it wrote so far is still worth showing.
-                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), False)
+            if exc.code == ErrorCode.SANDBOX_STOPPED:
+                # The session was stopped under the command: it was killed,
+                # and what it wrote so far (maybe nothing) is worth showing.
+                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), capture.truncated)
                 duration = round(trio.current_time() - started, 3)
                 return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
             if exc.code in REFUSED_AS_IS:
@@ -880,7 +905,7 @@ class _Implementation:
         artifact = self.artifacts.get(reference)
         await self.authorize(ArtifactOperation(reference, "artifact-read"))
         data = getattr(artifact, stream)
-        window = data[offset : offset + max_bytes + 4]
+        window = data[offset : offset + files.utf8_window(max_bytes)]
         start, end = files._utf8_slice(window, max_bytes)
         next_offset = offset + end if offset + end < len(data) else None
         return {"reference": reference, "stream": stream, "offset": offset + start,

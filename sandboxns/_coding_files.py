@@ -84,11 +84,18 @@ def _continues(byte: int) -> bool:
     return (byte & 0xC0) == 0x80  # 10xxxxxx: inside a UTF-8 character
 
 
+def utf8_window(max_bytes: int) -> int:
+    """How many bytes to cut ``max_bytes`` from with _utf8_slice: up to 3
+    skipped at the start, a whole character (up to 4 bytes) even when fewer
+    are asked for, and one more to see whether the last character goes on."""
+    return max(max_bytes, 4) + 4
+
+
 def _utf8_slice(window: bytes, max_bytes: int) -> tuple[int, int]:
     """Start and end of at most ``max_bytes`` of ``window`` that neither
     begin nor end inside a UTF-8 character (for text that is UTF-8; other
-    bytes are cut where they fall). ``window`` holds a few bytes more than
-    ``max_bytes`` unless the file ended."""
+    bytes are cut where they fall). ``window`` holds utf8_window(max_bytes)
+    bytes unless the file ended."""
     start = 0
     while start < min(3, len(window)) and _continues(window[start]):
         start += 1
@@ -119,12 +126,27 @@ def read_slice(root: int, guest_path: str, offset: int, max_bytes: int, hash_lim
             size += len(chunk)
             if size > hash_limit:
                 raise SandboxError(ErrorCode.SANDBOX_LIMIT, f"{guest_path} is over {hash_limit} bytes")
-        window = os.pread(fd, max_bytes + 4, offset) if offset < size else b""
+        window = os.pread(fd, utf8_window(max_bytes), offset) if offset < size else b""
     finally:
         os.close(fd)
     start, end = _utf8_slice(window, max_bytes)
     next_offset = offset + end if offset + end < size else None
     return ReadResult(window[start:end], size, digest.hexdigest(), offset + start, next_offset)
+
+
+def invalid_utf8_offsets(data: bytes, limit: int) -> list[int]:
+    """Where in ``data`` the first ``limit`` sequences that are not UTF-8
+    begin: each is one U+FFFD in ``data.decode("utf-8", "replace")``."""
+    offsets: list[int] = []
+    position = 0
+    while len(offsets) < limit:
+        try:
+            data[position:].decode("utf-8")
+            break
+        except UnicodeDecodeError as exc:
+            offsets.append(position + exc.start)
+            position += exc.end
+    return offsets
 
 
 def read_whole(root: int, guest_path: str, limit: int) -> bytes:

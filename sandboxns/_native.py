@@ -69,36 +69,41 @@ class NativeProcess:
     command's own socket: reports come in, signal requests go out, and
     closing it kills the command's tree."""
 
-    def __init__(self, reply: socket.socket, pipes: CommandPipes) -> None:
+    def __init__(self, driver: NativeDriver, reply: socket.socket, pipes: CommandPipes) -> None:
         reply.setblocking(False)
+        self._driver = driver
         self._reply = reply
         self._pipes = pipes
         self._status: ExitStatus | None = None
         self._setup_error: SandboxError | None = None
 
-    def _take_report(self) -> bool:
-        """Handle one report if one is there; False if none is yet."""
+    def _receive(self) -> bytes | None:
+        """The next report, b"" once the holder is gone, None if none is there yet."""
         try:
-            data = self._reply.recv(_ffi.REPORT_SIZE)
+            return self._reply.recv(_ffi.REPORT_SIZE)
         except BlockingIOError:
-            return False
+            return None
         except OSError:
-            data = b""  # closed under us: as good as the holder gone
-        if not data:
-            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session stopped while the command was running")
+            return b""  # closed under us: as good as the holder gone
+
+    def _take_report(self, data: bytes) -> None:
         report = _ffi.decode_report(data)
         if report.kind == _ffi.REPORT_ERROR and self._setup_error is None:
             self._setup_error = _error_from_report(report, "starting the command")
         elif report.kind == _ffi.REPORT_EXITED:
             signum = report.signal or None
             self._status = ExitStatus(exit_code=None if signum else report.exit_code, signal=signum)
-        return True
 
     async def wait(self) -> ExitStatus:
         # EXITED comes once the init has reaped the whole tree: the output
         # is complete in the pipes by then.
         while self._status is None:
-            if not self._take_report():
+            data = self._receive()
+            if data:
+                self._take_report(data)
+            elif data is not None:
+                raise await self._driver._holder_gone("while the command was running")
+            else:
                 await self._pipes.until_readable(self._reply.fileno())
                 if self._pipes.take_kill_request():
                     await self.send_signal(signal.SIGKILL)
@@ -196,6 +201,7 @@ class NativeDriver(HostWorkspaceIO):
         self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
         self._lease = lease
         self._closed = False
+        self._holder_died = False
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
         self._holder_lock = trio.Lock()
@@ -287,6 +293,22 @@ class NativeDriver(HostWorkspaceIO):
                 self._stopped.set()
                 raise
 
+    def _check_usable(self) -> None:
+        if self._holder_died:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped: its holder died")
+        super()._check_usable()
+
+    async def _holder_gone(self, when: str) -> SandboxError:
+        """The error for a request or command the holder went away under.
+        If no stop did that, the holder died (killed from the host, or it
+        crashed): the session closes itself, so it is all gone and every
+        later call is refused, and this says the sandbox failed."""
+        if self._closed and not self._holder_died:
+            return SandboxError(ErrorCode.SANDBOX_STOPPED, f"the session stopped {when}")
+        self._holder_died = True
+        await self.aclose()
+        return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the session's holder died {when}")
+
     def _reap_holder_now(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
@@ -355,13 +377,13 @@ class NativeDriver(HostWorkspaceIO):
             host_end.close()
             pipes.close()
             if isinstance(exc, (OSError, trio.ClosedResourceError)):
-                raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"the session's holder is gone: {exc}") from None
+                raise await self._holder_gone("before the command started") from exc
             raise
         finally:
             # The holder has its own copies of everything passed.
             holder_end.close()
             pipes.close_child_ends()
-        return NativeProcess(host_end, pipes)
+        return NativeProcess(self, host_end, pipes)
 
     async def aclose(self) -> None:
         """Kill everything in the session; returns once it is all gone (also

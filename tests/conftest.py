@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import ssl
 from pathlib import Path
 
@@ -105,6 +106,17 @@ def descendants(pid: int) -> set[int]:
             pending.extend(children - found)
             found |= children
     return found
+
+
+async def kill_native_holder(session) -> None:
+    """SIGKILL a native session's holder from the host (as an operator or
+    the OOM killer might) and return once it is dead."""
+    pidfd = os.pidfd_open(session.driver.holder_pid)
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
 
 
 async def start_waiting_guest(session, workspace, nursery, marker: str, setup: str = "") -> None:

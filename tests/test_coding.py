@@ -3,14 +3,17 @@ hooks see, and every way a call is refused."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import pickle
+import resource
 
 import pytest
 import trio
-from conftest import host_processes_with, sleep_marker
+from conftest import host_processes_with, kill_native_holder, sleep_marker
 
 import sandboxns
 from sandboxns import CodingHooks, CodingLimits, ErrorCode, SandboxError, _coding, create_sandbox_coding_tools
@@ -352,19 +355,26 @@ async def test_timeout_output_limit_and_cancellation_kill_background_children(se
     assert host_processes_with(marker) == []
 
 
-async def test_commands_share_the_admission_limit(driver_name, state_dir, workspace, recorder):
+async def test_commands_and_the_probe_share_the_admission_limit(driver_name, state_dir, workspace, recorder):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
     async with sandboxns.open_backend(
         driver=driver_name, state_directory=state_dir, max_concurrent_commands=1
     ) as backend:
         handle = await backend.create(workspace=workspace)
-        tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize)
+        tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize, hooks=hooks)
         started = workspace / "started"
         os.mkfifo(started)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.session.run, "sh", ["-c", "echo > started; sleep 100"])
             await trio.to_thread.run_sync(started.read_bytes)
             refused(await call(tools, "run_command", executable="shell", args=["-c", "true"]), "SANDBOX_BUSY")
+            # A full backend is the caller's to wait out, not a broken sandbox.
+            with pytest.raises(SandboxError) as error:
+                await create_sandbox_coding_tools(handle, authorize=recorder.authorize, hooks=hooks)
+            assert error.value.code == ErrorCode.SANDBOX_BUSY
             nursery.cancel_scope.cancel()
+    assert seen == []
 
 
 async def test_stopped_tools_refuse_everything_and_new_ones_work(driver_name, state_dir, recorder):
@@ -417,16 +427,17 @@ async def test_a_policy_change_during_preparation_voids_the_launch(session, work
 
 async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recorder, monkeypatch):
     seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
     monkeypatch.setattr(_coding, "_PROBE", "exit 3")
     with pytest.raises(SandboxError) as error:
-        await create_sandbox_coding_tools(session, authorize=recorder.authorize)
-    assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE and error.value.__cause__ is not None
+        await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
+    [(tool, cause)] = seen
+    assert tool == "create_sandbox_coding_tools" and cause is error.value.__cause__
+    assert str(cause).startswith("restriction probe failed: 3")
+    seen.clear()
     monkeypatch.undo()
-    tools = await create_sandbox_coding_tools(
-        session,
-        authorize=recorder.authorize,
-        hooks=CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc))),
-    )
+    tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
 
     async def broken(*args, **kwargs):
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "holder exploded at /some/host/path")
@@ -435,6 +446,38 @@ async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recor
     result = await call(tools, "run_command", executable="shell")
     assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
     assert [(tool, exc.message) for tool, exc in seen] == [("run_command", "holder exploded at /some/host/path")]
+
+
+@contextlib.contextmanager
+def no_free_file_descriptors():
+    """Every file descriptor this process may have in use, as on a host that
+    ran out of them: the next one opened fails with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_raw_os_error_while_the_tools_are_made_is_unavailable(session, recorder):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
+    with no_free_file_descriptors(), pytest.raises(SandboxError) as error:
+        await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
+    [(tool, cause)] = seen
+    assert tool == "create_sandbox_coding_tools" and isinstance(cause, OSError) and cause.errno == errno.EMFILE
+    # The session itself is fine once the host has descriptors again.
+    tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+    assert (await call(tools, "run_command", executable="shell", args=["-c", "true"]))["exit_code"] == 0
 
 
 async def test_a_driver_without_a_workspace_binding_is_refused(session):
@@ -449,7 +492,8 @@ async def test_a_driver_without_a_workspace_binding_is_refused(session):
     assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
 
 
-async def test_stopping_the_session_cancels_a_running_command(driver_name, state_dir, workspace, recorder):
+@pytest.mark.parametrize("output", ["partial\n", ""])
+async def test_stopping_the_session_cancels_a_running_command(driver_name, state_dir, workspace, recorder, output):
     async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
         handle = await backend.create(workspace=workspace)
         tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize)
@@ -459,7 +503,7 @@ async def test_stopping_the_session_cancels_a_running_command(driver_name, state
         results = []
 
         async def long() -> None:
-            script = f"echo partial; echo > started; sleep {marker} & sleep {marker}"
+            script = f"printf '{output}'; echo > started; sleep {marker} & sleep {marker}"
             results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
 
         async with trio.open_nursery() as nursery:
@@ -467,8 +511,46 @@ async def test_stopping_the_session_cancels_a_running_command(driver_name, state
             await trio.to_thread.run_sync(started.read_bytes)
             await handle.stop()
     [result] = results
-    assert (result["outcome"], result["stdout"]) == ("cancelled", "partial\n")
+    assert (result.get("outcome"), result.get("exit_code"), result.get("stdout")) == ("cancelled", None, output), result
     assert host_processes_with(marker) == []
+
+
+@pytest.mark.parametrize("when", ["between calls", "under a command"])
+async def test_a_holder_killed_from_the_host_is_unavailable_then_stopped(workspace, recorder, when):
+    seen = []
+    hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
+    marker = sleep_marker()
+    async with sandboxns.open_sandbox(workspace, driver="native") as session:
+        tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
+        if when == "between calls":
+            await kill_native_holder(session)
+            result = await call(tools, "run_command", executable="shell", args=["-c", "true"])
+        else:
+            started = workspace / "started"
+            os.mkfifo(started)
+            results = []
+
+            async def long() -> None:
+                script = f"echo partial; echo > started; sleep {marker}"
+                results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long)
+                await trio.to_thread.run_sync(started.read_bytes)
+                await kill_native_holder(session)
+            [result] = results
+        assert host_processes_with(marker) == []
+        # A broken sandbox, not a stop: the model gets the fixed reason, the
+        # host the cause.
+        assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
+        [(tool, cause)] = seen
+        assert tool == "run_command" and cause.code == ErrorCode.SANDBOX_UNAVAILABLE and "holder" in cause.message
+        # The session is gone for the tools and the session alike.
+        for name, arguments in (("run_command", {"executable": "shell"}), ("read_file", {"path": "x"})):
+            refused(await tools.dispatch(name, arguments), "SANDBOX_STOPPED")
+        with pytest.raises(SandboxError) as error:
+            await session.run("true")
+        assert error.value.code == ErrorCode.SANDBOX_STOPPED
 
 
 async def test_what_a_model_writes_cannot_hang_or_crash_the_host(session, workspace, recorder):
@@ -515,3 +597,33 @@ async def test_a_character_is_never_split_even_when_asked_for_less(tools, worksp
     first = await call(tools, "read_file", path="e.txt", max_bytes=1)
     second = await call(tools, "read_file", path="e.txt", offset=first["next_offset"], max_bytes=1)
     assert (first["text"], second["text"], second["next_offset"]) == ("é", "😀", None)
+
+
+async def test_read_says_where_it_replaced_bytes_that_are_not_utf8(tools, workspace):
+    # Latin-1 bytes, a cut-off character and stray continuation bytes.
+    (workspace / "mixed.txt").write_bytes(b"ok \xff\xfe mid \xe2\x82 end " + b"\x80" * 3 + "é".encode())
+    whole = await call(tools, "read_file", path="mixed.txt")
+    assert whole["text"] == "ok \ufffd\ufffd mid \ufffd end \ufffd\ufffd\ufffdé"
+    assert (whole["replaced_invalid_utf8"], whole["invalid_utf8_offsets"]) == (True, [3, 4, 10, 17, 18])  # 5 of 6
+    part = await call(tools, "read_file", path="mixed.txt", offset=8, max_bytes=6)
+    assert (part["text"], part["invalid_utf8_offsets"]) == ("d \ufffd e", [10])  # offsets in the file
+    (workspace / "clean.txt").write_text("a\ufffdb")  # U+FFFD itself is text like any other
+    clean = await call(tools, "read_file", path="clean.txt")
+    assert clean["text"] == "a\ufffdb" and "replaced_invalid_utf8" not in clean and "invalid_utf8_offsets" not in clean
+
+
+async def test_a_read_starting_or_ending_inside_a_character_replaces_nothing(tools, workspace):
+    data = ("😀😀é" * 2).encode()
+    (workspace / "e.txt").write_bytes(data)
+    for offset in range(len(data)):
+        for max_bytes in (1, 2, 3, 4, 5):
+            result = await call(tools, "read_file", path="e.txt", offset=offset, max_bytes=max_bytes)
+            assert "replaced_invalid_utf8" not in result, (offset, max_bytes, result)
+            # What was read is whole characters, exactly those of the file there.
+            start = result["offset"]
+            assert result["text"] == data[start : start + result["bytes"]].decode("utf-8"), (offset, max_bytes)
+    # Command output is paged the same way.
+    script = "python3 -c \"print('\\U0001f600' * 20000, end='')\""
+    reference = (await call(tools, "run_command", executable="shell", args=["-c", script]))["artifact"]["reference"]
+    page = await call(tools, "read_output", reference=reference, offset=1, max_bytes=1)
+    assert (page["offset"], page["text"], page["next_offset"]) == (4, "😀", 8)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import trio
-from conftest import descendants, host_processes_with, sleep_marker
+from conftest import descendants, host_processes_with, kill_native_holder, sleep_marker
 
 import sandboxns
 
@@ -67,6 +67,19 @@ async def test_stop_kills_running_commands(driver_name, workspace):
         await trio.to_thread.run_sync(fifo.read_bytes)
         await session.driver.aclose()
     assert host_processes_with(marker) == []
+
+
+async def test_a_native_holder_killed_from_the_host_fails_a_command_then_the_session_is_stopped(workspace):
+    async with sandboxns.open_sandbox(workspace, driver="native") as session:
+        await kill_native_holder(session)
+        # The first to find it gone learns what happened; then it is stopped.
+        for code in (sandboxns.ErrorCode.SANDBOX_UNAVAILABLE, sandboxns.ErrorCode.SANDBOX_STOPPED):
+            with pytest.raises(sandboxns.SandboxError) as error:
+                await session.run("true")
+            assert error.value.code == code, error.value
+        with pytest.raises(sandboxns.SandboxError) as error:
+            await session.read_file("x")
+        assert error.value.code == sandboxns.ErrorCode.SANDBOX_STOPPED
 
 
 @pytest.mark.smoke
