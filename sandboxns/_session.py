@@ -453,7 +453,12 @@ class Session:
         """Spawn and wait; returns only once the command's whole tree is
         gone, whatever happens (timeout, cancellation, a stop)."""
         started = time.monotonic()
-        process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin, output=output, limits=limits)
+        try:
+            process = await self.driver.spawn(argv, env=env, cwd=cwd, stdin=stdin, output=output, limits=limits)
+        except OSError as exc:
+            # The host could not make what a command needs (pipes, a
+            # socket pair: EMFILE, ENOMEM); nothing of it runs.
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot start the command: {exc}") from exc
         timed_out = False
         status: ExitStatus | None = None
         session_stopped = False

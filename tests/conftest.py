@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import resource
 import signal
 import ssl
 from pathlib import Path
@@ -157,6 +158,25 @@ class FirstLine:
             if b"\n" in self.stdout:
                 self.arrived.set()
         return False
+
+
+@contextlib.contextmanager
+def no_free_file_descriptors():
+    """Every file descriptor this process may have in use, as on a host that
+    ran out of them: the next one opened fails with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # The egress gateway's tests: loopback upstreams A and A over TLS (which

@@ -3,17 +3,15 @@ hooks see, and every way a call is refused."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import pickle
-import resource
 
 import pytest
 import trio
-from conftest import host_processes_with, kill_native_holder, sleep_marker
+from conftest import host_processes_with, kill_native_holder, no_free_file_descriptors, sleep_marker
 
 import sandboxns
 from sandboxns import CodingHooks, CodingLimits, ErrorCode, SandboxError, _coding, create_sandbox_coding_tools
@@ -448,33 +446,17 @@ async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recor
     assert [(tool, exc.message) for tool, exc in seen] == [("run_command", "holder exploded at /some/host/path")]
 
 
-@contextlib.contextmanager
-def no_free_file_descriptors():
-    """Every file descriptor this process may have in use, as on a host that
-    ran out of them: the next one opened fails with EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
-    fillers = []
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        yield
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
 async def test_a_raw_os_error_while_the_tools_are_made_is_unavailable(session, recorder):
     seen = []
     hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
     with no_free_file_descriptors(), pytest.raises(SandboxError) as error:
         await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
     assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
+    # The session says what failed (a SandboxError, see test_run), and
+    # its cause is the host's.
     [(tool, cause)] = seen
-    assert tool == "create_sandbox_coding_tools" and isinstance(cause, OSError) and cause.errno == errno.EMFILE
+    assert tool == "create_sandbox_coding_tools" and isinstance(cause, SandboxError)
+    assert isinstance(cause.__cause__, OSError) and cause.__cause__.errno == errno.EMFILE
     # The session itself is fine once the host has descriptors again.
     tools = await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
     assert (await call(tools, "run_command", executable="shell", args=["-c", "true"]))["exit_code"] == 0

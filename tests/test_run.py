@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 import pytest
 import trio
-from conftest import FirstLine, host_processes_with, sleep_marker
+from conftest import FirstLine, host_processes_with, no_free_file_descriptors, sleep_marker
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
@@ -160,6 +161,17 @@ async def test_cancelling_run_kills_the_tree_first(session, workspace):
     assert scope.cancelled_caught
     assert host_processes_with(marker) == []
     assert (await session.run("true")).exit_code == 0
+
+
+async def test_a_host_out_of_file_descriptors_is_a_sandbox_error(session):
+    # Each command needs pipes: without them nothing starts, and the caller
+    # gets the API's error, not the host's OSError.
+    with no_free_file_descriptors(), pytest.raises(SandboxError) as error:
+        await session.run("true")
+    assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE, error.value
+    assert isinstance(error.value.__cause__, OSError) and error.value.__cause__.errno == errno.EMFILE
+    assert (await session.run("true")).exit_code == 0
+    assert session.running == 0
 
 
 async def test_run_after_stop_is_refused(driver_name, workspace):
