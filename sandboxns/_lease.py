@@ -78,14 +78,21 @@ class ProcessId:
 
 
 def _start_time(pid: int) -> int | None:
+    """The process's start time, or None once it has exited."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses; the
-    # fields after its closing parenthesis are plain. starttime is field 22.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    # fields after its closing parenthesis are plain: the state is field 3,
+    # starttime field 22.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    # A zombie (exited, not yet reaped by whoever inherited it) holds
+    # nothing of the session any more, as its pidfd says (see _wait_gone).
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,18 @@ async def test_two_processes_contend_and_a_crashed_owner_is_recovered(driver_nam
     assert listing.returncode == 0 and f"{json.loads(state)['session']}  free" in listing.stdout
 
 
+def test_a_zombie_is_gone():
+    # Exited, not yet reaped: it holds nothing of a session (its pidfd is
+    # readable), so a lease whose record lists it is free of processes.
+    child = subprocess.Popen(["sleep", sleep_marker()])
+    process = _lease.ProcessId.of(child.pid)
+    assert process is not None and process.alive()
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # waits for the exit, leaves the zombie
+    assert not process.alive() and _lease.LeaseRecord(processes=(process,)).remaining() == []
+    assert child.wait() == -9
+
+
 async def test_when_safety_cannot_be_proven_the_operator_decides(driver_name, state_dir, monkeypatch):
     monkeypatch.setattr(_lease, "TEARDOWN_WAIT", 0.2)
     async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
