@@ -21,6 +21,7 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     [lifecycle]
     idle_timeout = 900
     destroy_on_close = false
+    retain_stopped = 86400          # a stopped session is deleted a day later
 
 Loading never raises for what a file says: :meth:`SandboxSpec.validate`
 lists every problem, each with the path of its field. Secrets never appear in
@@ -357,6 +358,7 @@ class SandboxSpec:
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
+            "retention": resolved.retain_stopped,
             "confinement": resolved.confinement,
         }
         if resolved.workspace is not None:
@@ -413,6 +415,7 @@ class _Resolved:
     confinement: Confinement
     idle_timeout: float | None
     destroy_on_close: bool
+    retain_stopped: float | None
 
 
 def _parse(text: str, suffix: str) -> tuple[object, str]:
@@ -517,12 +520,13 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     if workspace is not None and confinement.workspace_size is not None:
         c.problem("limits.workspace_size", "a host directory (workspace) cannot be capped, only a template's sessions")
 
-    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
-    idle_timeout = None
-    if "idle_timeout" in lifecycle:
-        idle_timeout = c.number(
-            lifecycle["idle_timeout"], "lifecycle.idle_timeout", integer=False, minimum=0.001, maximum=math.inf
-        )
+    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close", "retain_stopped"))
+    idle_timeout, retain_stopped = (
+        c.number(lifecycle[name], f"lifecycle.{name}", integer=False, minimum=0.001, maximum=math.inf)
+        if name in lifecycle
+        else None
+        for name in ("idle_timeout", "retain_stopped")
+    )
     destroy = c.boolean(lifecycle.get("destroy_on_close", False), "lifecycle.destroy_on_close") or False
 
     resolved = _Resolved(
@@ -537,6 +541,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         confinement=confinement,
         idle_timeout=idle_timeout,
         destroy_on_close=destroy,
+        retain_stopped=retain_stopped,
     )
     return c.problems, resolved
 

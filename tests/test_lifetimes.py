@@ -165,6 +165,17 @@ async def test_a_specs_lifecycle_reaches_its_session(clock, tmp_path):
         assert not directory.exists()
 
 
+async def test_a_specs_retention_reaches_its_session(driver_name, tmp_path):
+    spec = SandboxSpec.from_dict({"id": "kept", "driver": driver_name, "lifecycle": {"retain_stopped": RETENTION}})
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        directory = sandbox.backend.state_directory / "sessions" / sandbox.handle.session_id
+        assert sandbox.handle.retention == RETENTION
+    async with sandboxns.open_backend(driver=driver_name, state_directory=tmp_path / "state") as backend:
+        assert await backend.collect_expired() == []  # closing the spec's sandbox stopped it
+        age(directory)
+        assert await backend.collect_expired() == [directory.name]
+
+
 def seen_lately(directory: Path) -> bool:
     """Whether the session's lease says its owner was alive a moment ago
     (file times are coarser than time.time())."""

@@ -132,6 +132,7 @@ surprise = 1
 [lifecycle]
 destroy_on_close = "yes"
 idle_timeout = 0
+retain_stopped = -5
 """
     spec = SandboxSpec.load(write(tmp_path, "bad.toml", bad))
     problems = {problem.field: problem.message for problem in spec.validate()}
@@ -151,8 +152,10 @@ idle_timeout = 0
         "limits.surprise",
         "lifecycle.destroy_on_close",
         "lifecycle.idle_timeout",
+        "lifecycle.retain_stopped",
     }
     assert "not a known field" in problems["colour"]
+    assert problems["lifecycle.retain_stopped"] == "must be from 0.001 to inf, not -5"
     assert "never holds a credential" in problems["network.egress[0].headers.authorization"]
     assert "literal-secret" not in json.dumps(problems)  # a would-be secret is not echoed back
 
@@ -291,6 +294,8 @@ async def test_create_session_checks_the_backend_driver(tmp_path):
         ({"id": "x", "limits": {"timeout": 10**400}}, "limits.timeout"),
         ({"id": "x", "limits": {"max_file_bytes": 2**63 - 1}}, "limits.max_file_bytes"),
         ({"id": "x", "lifecycle": {"idle_timeout": 10**400}}, "lifecycle.idle_timeout"),
+        ({"id": "x", "lifecycle": {"retain_stopped": True}}, "lifecycle.retain_stopped"),
+        ({"id": "x", "lifecycle": {"retain_stopped": float("nan")}}, "lifecycle.retain_stopped"),
         ({"id": "x", "template": {"files": "a\0b"}}, "template.files"),
         ({"id": "x", "template": {"files": {"a": "1", "./a": "2"}}}, "template.files"),
         ({"id": "x", "template": {"files": {"d": "1", "d/e": "2"}}}, "template.files"),
