@@ -305,6 +305,7 @@ class SessionHandle:
         self._lifecycle = trio.Lock()
         self._network: SessionNetwork | None = None
         self.destroy_on_close = False
+        self.destroy_on_idle = False
         self._idle_watch: trio.CancelScope | None = None
         self._closed = trio.Event()
         self._image: WorkspaceImage | None = None  # a capped session's, see _image
@@ -404,9 +405,10 @@ class SessionHandle:
         await self.aclose()
 
     async def _watch_idleness(self, timeout: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Close the session once it has been idle for ``timeout`` seconds:
-        no command running, no file operation or gateway request. A command
-        running, however long, keeps it alive."""
+        """Close the session (delete it, with ``destroy_on_idle``) once it
+        has been idle for ``timeout`` seconds: no command running, no file
+        operation or gateway request. A command running, however long,
+        keeps it alive."""
         session = self.session
         with trio.CancelScope() as scope:
             self._idle_watch = scope
@@ -420,7 +422,7 @@ class SessionHandle:
             self._idle_watch = None
             logger.info("session %s idle for %gs: closing it", self.session_id, timeout)
             try:
-                await self.aclose()
+                await (self.delete() if self.destroy_on_idle else self.aclose())
             except Exception:  # runs in the backend's nursery, which must not die of it
                 logger.exception("closing idle session %s failed", self.session_id)
 
@@ -522,6 +524,7 @@ class Backend:
         network: object = "deny-all",
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
+        destroy_on_idle: bool = False,
         retention: float | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
@@ -535,7 +538,7 @@ class Backend:
         or ending, a file operation, a gateway request; a running command
         keeps it alive however long it runs) the session is closed like
         :meth:`SessionHandle.aclose`: stopped and resumable, or deleted with
-        ``destroy_on_close``.
+        ``destroy_on_close``; ``destroy_on_idle`` deletes it then in any case.
 
         ``retention`` (seconds) is how long a new session is kept once it is
         stopped: by its handle, or because its owner died. After that a
@@ -568,8 +571,11 @@ class Backend:
             raise invalid_argument("mounts are given when a session is created; a resumed session keeps its own")
         if idle_timeout is not None:
             idle_timeout = check_seconds(idle_timeout, "idle_timeout")
-        if not isinstance(destroy_on_close, bool):
-            raise invalid_argument(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
+        for name, flag in (("destroy_on_close", destroy_on_close), ("destroy_on_idle", destroy_on_idle)):
+            if not isinstance(flag, bool):
+                raise invalid_argument(f"{name} must be True or False, not {flag!r}")
+        if destroy_on_idle and idle_timeout is None:
+            raise invalid_argument("destroy_on_idle needs an idle_timeout")
         if retention is not None:
             if state is not None:
                 raise invalid_argument("retention is given when a session is created; a resumed session keeps its own")
@@ -591,6 +597,7 @@ class Backend:
                 await handle.delete()  # nobody has seen it yet
                 raise
         handle.destroy_on_close = destroy_on_close
+        handle.destroy_on_idle = destroy_on_idle
         handle.session.touch()  # a pooled session may have waited a long time
         if idle_timeout is not None:
             await self._nursery.start(handle._watch_idleness, idle_timeout)

@@ -20,7 +20,7 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     allow = ["ptrace"]              # lift groups of the default filter; deny = [...] adds syscalls
     [lifecycle]
     idle_timeout = 900
-    destroy_on_close = false
+    destroy_on = ["idle"]           # delete, not stop, when: "close" (any close), "idle" (its idle timeout)
     retain_stopped = 86400          # a stopped session is deleted a day later
 
 Loading never raises for what a file says: :meth:`SandboxSpec.validate`
@@ -75,6 +75,10 @@ _FIELDS = ("id", "description", "driver", "template", "workspace", "env", "netwo
 _RESOURCE_LIMITS = tuple(field.name for field in fields(ResourceLimits))
 # The Confinement fields a spec sets under [limits], in bytes.
 _SIZES = ("tmp_size", "workspace_size")
+_LIFECYCLE = ("idle_timeout", "destroy_on", "destroy_on_close", "retain_stopped")
+# What lifecycle.destroy_on may list: "close" deletes the session whenever it
+# is closed (destroy_on_close), "idle" only when its idle timeout closes it.
+_DESTROY_EVENTS = ("close", "idle")
 
 
 @dataclass(frozen=True)
@@ -358,6 +362,7 @@ class SandboxSpec:
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
+            "destroy_on_idle": resolved.destroy_on_idle,
             "retention": resolved.retain_stopped,
             "confinement": resolved.confinement,
         }
@@ -415,6 +420,7 @@ class _Resolved:
     confinement: Confinement
     idle_timeout: float | None
     destroy_on_close: bool
+    destroy_on_idle: bool
     retain_stopped: float | None
 
 
@@ -520,14 +526,14 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     if workspace is not None and confinement.workspace_size is not None:
         c.problem("limits.workspace_size", "a host directory (workspace) cannot be capped, only a template's sessions")
 
-    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close", "retain_stopped"))
+    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", _LIFECYCLE)
     idle_timeout, retain_stopped = (
         c.number(lifecycle[name], f"lifecycle.{name}", integer=False, minimum=0.001, maximum=math.inf)
         if name in lifecycle
         else None
         for name in ("idle_timeout", "retain_stopped")
     )
-    destroy = c.boolean(lifecycle.get("destroy_on_close", False), "lifecycle.destroy_on_close") or False
+    destroy_on_close, destroy_on_idle = _check_destroy(c, lifecycle)
 
     resolved = _Resolved(
         id=spec_id or "",
@@ -540,10 +546,44 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         limits=SpecLimits(**limits),
         confinement=confinement,
         idle_timeout=idle_timeout,
-        destroy_on_close=destroy,
+        destroy_on_close=destroy_on_close,
+        destroy_on_idle=destroy_on_idle,
         retain_stopped=retain_stopped,
     )
     return c.problems, resolved
+
+
+def _check_destroy(c: _Checker, lifecycle: Mapping[str, Any]) -> tuple[bool, bool]:
+    """Whether closing deletes the session, and whether its idle timeout
+    does: ``destroy_on``, or the older ``destroy_on_close`` (both may be
+    given if they agree)."""
+    events = []
+    listed = lifecycle.get("destroy_on", [])
+    if not isinstance(listed, list):
+        c.problem("lifecycle.destroy_on", f"must be a list drawn from 'close' and 'idle', not {_short(listed)}")
+        listed = []
+    for index, event in enumerate(listed):
+        if event not in _DESTROY_EVENTS:
+            c.problem(f"lifecycle.destroy_on[{index}]", f"must be 'close' or 'idle', not {_short(event)}")
+        elif event in events:
+            c.problem(f"lifecycle.destroy_on[{index}]", f"{event!r} is listed twice")
+        else:
+            events.append(event)
+    if "idle" in events and "idle_timeout" not in lifecycle:
+        c.problem("lifecycle.destroy_on", "'idle' needs a lifecycle.idle_timeout")
+    close = "close" in events
+    if "destroy_on_close" in lifecycle:
+        flag = c.boolean(lifecycle["destroy_on_close"], "lifecycle.destroy_on_close")
+        # Compared only with a destroy_on that is all valid, or the one
+        # mistake would be reported twice.
+        if flag is not None and "destroy_on" in lifecycle and len(events) == len(listed) and flag != close:
+            c.problem(
+                "lifecycle.destroy_on_close",
+                f"is {str(flag).lower()} but lifecycle.destroy_on {'lists' if close else 'does not list'} 'close';"
+                " give one of them",
+            )
+        close = close if flag is None else flag
+    return close, "idle" in events
 
 
 def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[str, Any]) -> Confinement:
@@ -660,7 +700,7 @@ class SpecSandbox:
     """A running sandbox built from a spec: its backend, its session handle,
     and the spec's command environment and limits already applied to
     :attr:`session`. Closing it stops the session (keeping its files,
-    resumable) or deletes it when the spec says ``destroy_on_close``."""
+    resumable) or deletes it when the spec's lifecycle destroys it on close."""
 
     def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle) -> None:
         self.spec = spec

@@ -132,8 +132,19 @@ async def test_bad_idle_timeouts_are_refused(backend, template, value):
     assert not list((backend.state_directory / "sessions").iterdir())
 
 
-async def test_bad_destroy_on_close_is_refused(backend, template):
-    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, backend.create(template=template, destroy_on_close="yes"))
+async def test_bad_destroy_flags_are_refused(backend, template):
+    for flags in ({"destroy_on_close": "yes"}, {"destroy_on_idle": 1, "idle_timeout": IDLE}, {"destroy_on_idle": True}):
+        await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, backend.create(template=template, **flags))
+    assert not list((backend.state_directory / "sessions").iterdir())
+
+
+async def test_destroy_on_idle_deletes_only_what_its_idle_timeout_closes(backend, template):
+    closed = await backend.create(template=template, idle_timeout=IDLE, destroy_on_idle=True)
+    await closed.aclose()
+    assert session_dir(backend, closed).is_dir()  # closing it stops it
+    idle = await backend.create(template=template, idle_timeout=0.2, destroy_on_idle=True)
+    await idle.wait_closed()
+    assert not session_dir(backend, idle).exists()
 
 
 async def test_a_pooled_session_counts_idleness_from_its_hand_out(clock, backend, template):
@@ -162,6 +173,24 @@ async def test_a_specs_lifecycle_reaches_its_session(clock, tmp_path):
         started = trio.current_time()
         await sandbox.handle.wait_closed()
         assert trio.current_time() - started == pytest.approx(IDLE, abs=1)
+        assert not directory.exists()
+
+
+@pytest.mark.parametrize(("destroy_on", "closing_deletes"), [([], False), (["close"], True), (["idle"], False)])
+async def test_a_specs_destroy_on_says_what_closing_does(driver_name, tmp_path, destroy_on, closing_deletes):
+    lifecycle = {"idle_timeout": IDLE, "destroy_on": destroy_on}
+    spec = SandboxSpec.from_dict({"id": "closing", "driver": driver_name, "lifecycle": lifecycle})
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        directory = sandbox.backend.state_directory / "sessions" / sandbox.handle.session_id
+    assert directory.exists() is not closing_deletes
+
+
+async def test_a_specs_destroy_on_idle_deletes_a_session_its_idle_timeout_closes(driver_name, tmp_path):
+    lifecycle = {"idle_timeout": 0.2, "destroy_on": ["idle"]}
+    spec = SandboxSpec.from_dict({"id": "idle", "driver": driver_name, "lifecycle": lifecycle})
+    async with spec.build(state_directory=tmp_path / "state") as sandbox:
+        directory = sandbox.backend.state_directory / "sessions" / sandbox.handle.session_id
+        await sandbox.handle.wait_closed()
         assert not directory.exists()
 
 

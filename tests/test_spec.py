@@ -333,6 +333,36 @@ def test_odd_documents_are_problems_with_their_field(document, field):
 
 
 @pytest.mark.parametrize(
+    "lifecycle",
+    [
+        {"destroy_on": []},
+        {"destroy_on": ["close"], "destroy_on_close": True},
+        {"destroy_on": [], "destroy_on_close": False},
+        {"destroy_on": ["idle", "close"], "idle_timeout": 60},
+    ],
+)
+def test_destroy_on_and_destroy_on_close_may_both_be_given_if_they_agree(lifecycle):
+    assert SandboxSpec.from_dict({"id": "x", "lifecycle": lifecycle}).validate() == []
+
+
+@pytest.mark.parametrize(
+    ("lifecycle", "field", "message"),
+    [
+        ({"destroy_on": "close"}, "lifecycle.destroy_on", "must be a list drawn from 'close' and 'idle'"),
+        ({"destroy_on": ["close", "kill"]}, "lifecycle.destroy_on[1]", "must be 'close' or 'idle', not 'kill'"),
+        ({"destroy_on": [["close"]]}, "lifecycle.destroy_on[0]", "must be 'close' or 'idle'"),
+        ({"destroy_on": ["close", "close"]}, "lifecycle.destroy_on[1]", "listed twice"),
+        ({"destroy_on": ["idle"]}, "lifecycle.destroy_on", "'idle' needs a lifecycle.idle_timeout"),
+        ({"destroy_on": ["close"], "destroy_on_close": False}, "lifecycle.destroy_on_close", "give one of them"),
+        ({"destroy_on": [], "destroy_on_close": True}, "lifecycle.destroy_on_close", "give one of them"),
+    ],
+)
+def test_a_bad_destroy_on_is_one_problem_at_its_field(lifecycle, field, message):
+    [problem] = SandboxSpec.from_dict({"id": "x", "lifecycle": lifecycle}).validate()
+    assert (problem.field, message in problem.message) == (field, True), problem
+
+
+@pytest.mark.parametrize(
     "text", ["---\nid: !!int abc\n---\n", "---\nid: !!bool maybe\n---\n", "---\nid: !!timestamp x\n---\n"]
 )
 def test_yaml_tags_that_cannot_construct_are_problems(tmp_path, text):
