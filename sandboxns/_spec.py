@@ -9,6 +9,7 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     [env]
     vars = { LANG = "C.UTF-8" }
     passthrough = ["GIT_AUTHOR_NAME"]  # host variables copied in when the sandbox is built
+    auto_passthrough = true         # and those of the builder's credential_env the host has
     [network]
     egress = [{ origin = "https://api.example.com", headers = { authorization = { env = "API_TOKEN", prefix = "Bearer " } } }]
     [limits]
@@ -37,7 +38,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -276,12 +277,21 @@ class SandboxSpec:
         """The rlimits, /tmp size and seccomp changes its sessions start with."""
         return self._checked().confinement
 
-    def environment(self, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    def environment(
+        self, host_env: Mapping[str, str] | None = None, *, credential_env: Sequence[str] = ()
+    ) -> dict[str, str]:
         """The commands' environment: the defaults, ``env.vars``, and the
         ``env.passthrough`` variables' values taken from ``host_env``
         (default: this process's environment). A passthrough variable the
-        host does not have is SANDBOX_INVALID_ARGUMENT."""
+        host does not have is SANDBOX_INVALID_ARGUMENT.
+
+        ``credential_env`` names the variables that hold the caller's
+        credentials (such as ``ANTHROPIC_API_KEY``). With
+        ``env.auto_passthrough``, each of them the host has is passed
+        through as well, unless ``env.vars`` sets it; one it lacks is
+        skipped. Without it they are ignored."""
         resolved = self._checked()
+        credentials = _check_credential_env(credential_env)
         host = os.environ if host_env is None else host_env
         missing = [name for name in resolved.passthrough if name not in host]
         if missing:
@@ -289,7 +299,9 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_INVALID_ARGUMENT,
                 f"env.passthrough names host variables that are not set: {', '.join(missing)}",
             )
-        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in resolved.passthrough}}
+        automatic = [name for name in credentials if name in host and name not in resolved.vars]
+        passthrough = (*resolved.passthrough, *(automatic if resolved.auto_passthrough else ()))
+        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in passthrough}}
 
     def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
         """``network.egress`` as a policy for :meth:`Backend.create`, with
@@ -329,16 +341,21 @@ class SandboxSpec:
         *,
         state_directory: str | os.PathLike[str] | None = None,
         host_env: Mapping[str, str] | None = None,
+        credential_env: Sequence[str] = (),
         **backend_options: Any,
     ) -> _Building:
         """Start the sandbox: a backend over ``state_directory`` (default:
         the user's state directory) and one session in it, configured from
-        the spec. Use ``async with spec.build() as sandbox:``, or
-        ``sandbox = await spec.build()`` and later ``await sandbox.aclose()``
-        in the same task. Nothing starts for an invalid spec."""
-        return _Building(self, state_directory, host_env, backend_options)
+        the spec, with the environment :meth:`environment` gives for
+        ``host_env`` and ``credential_env``. Use ``async with spec.build()
+        as sandbox:``, or ``sandbox = await spec.build()`` and later ``await
+        sandbox.aclose()`` in the same task. Nothing starts for an invalid
+        spec."""
+        return _Building(self, state_directory, host_env, credential_env, backend_options)
 
-    async def create_session(self, backend: Backend, *, host_env: Mapping[str, str] | None = None) -> SessionHandle:
+    async def create_session(
+        self, backend: Backend, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
+    ) -> SessionHandle:
         """A session of this spec in an already open ``backend`` (whose
         driver must be the spec's)."""
         resolved = self._checked()
@@ -347,18 +364,19 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
+        environment = self.environment(host_env, credential_env=credential_env)
+        network = self.network_policy(host_env)
         files = await trio.to_thread.run_sync(self.template_files)
-        return await self._create_session(backend, resolved, files, host_env)
+        return await self._create_session(backend, resolved, files, environment, network)
 
     async def _create_session(
         self,
         backend: Backend,
         resolved: _Resolved,
         files: dict[str, bytes] | None,
-        host_env: Mapping[str, str] | None,
+        environment: dict[str, str],
+        network: object,
     ) -> SessionHandle:
-        environment = self.environment(host_env)  # refused before anything is created
-        network = self.network_policy(host_env)
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
@@ -378,10 +396,26 @@ class SandboxSpec:
             raise
         return handle
 
-    def configure_session(self, session: Session, *, host_env: Mapping[str, str] | None = None) -> None:
+    def configure_session(
+        self, session: Session, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
+    ) -> None:
         """Give ``session`` the spec's command environment and limits: for
         a session of this spec resumed elsewhere (``sandboxns exec --spec``)."""
-        _configure(session, self._checked().limits, self.environment(host_env))
+        environment = self.environment(host_env, credential_env=credential_env)
+        _configure(session, self._checked().limits, environment)
+
+
+def _check_credential_env(names: object) -> tuple[str, ...]:
+    if (
+        isinstance(names, (str, bytes))
+        or not isinstance(names, Sequence)
+        or not all(isinstance(name, str) and ENV_NAME.fullmatch(name) for name in names)
+    ):
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT,
+            f"credential_env must be a list or tuple of environment variable names, not {_short(names)}",
+        )
+    return tuple(names)
 
 
 def _configure(session: Session, limits: SpecLimits, environment: Mapping[str, str]) -> None:
@@ -415,6 +449,7 @@ class _Resolved:
     workspace: Path | None
     vars: dict[str, str]
     passthrough: tuple[str, ...]
+    auto_passthrough: bool
     egress: str | tuple[_Egress, ...]
     limits: SpecLimits
     confinement: Confinement
@@ -493,7 +528,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         if not workspace.is_dir():
             c.problem("workspace", f"directory {workspace} does not exist")
 
-    env = c.table(top.get("env", {}), "env", ("vars", "passthrough"))
+    env = c.table(top.get("env", {}), "env", ("vars", "passthrough", "auto_passthrough"))
     variables: dict[str, str] = {}
     for name, value in c.table(env.get("vars", {}), "env.vars", None).items():
         field = f"env.vars.{name}"
@@ -510,6 +545,8 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
             c.problem(f"env.passthrough[{index}]", f"is not a valid environment variable name: {_short(name)}")
         elif name in variables:
             c.problem(f"env.passthrough[{index}]", f"{name} is also set in env.vars")
+
+    auto_passthrough = c.boolean(env.get("auto_passthrough", False), "env.auto_passthrough") or False
 
     egress = _check_egress(c, c.table(top.get("network", {}), "network", ("egress",)).get("egress", "deny-all"))
 
@@ -542,6 +579,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         workspace=workspace,
         vars=variables,
         passthrough=tuple(name for name in passthrough if isinstance(name, str)),
+        auto_passthrough=auto_passthrough,
         egress=egress,
         limits=SpecLimits(**limits),
         confinement=confinement,
@@ -720,10 +758,11 @@ class _Building:
     """What :meth:`SandboxSpec.build` returns: use it once, as an async
     context manager or by awaiting it."""
 
-    def __init__(self, spec: SandboxSpec, state_directory, host_env, backend_options) -> None:
+    def __init__(self, spec: SandboxSpec, state_directory, host_env, credential_env, backend_options) -> None:
         self._spec = spec
         self._state_directory = state_directory
         self._host_env = host_env
+        self._credential_env = credential_env
         self._backend_options = backend_options
         self._used = False
         self._context: contextlib.AbstractAsyncContextManager[SpecSandbox] | None = None
@@ -740,8 +779,8 @@ class _Building:
         spec = self._spec
         resolved = spec._checked()
         # Resolve host variables and read the template before anything starts.
-        spec.environment(self._host_env)
-        spec.network_policy(self._host_env)
+        environment = spec.environment(self._host_env, credential_env=self._credential_env)
+        network = spec.network_policy(self._host_env)
         files = await trio.to_thread.run_sync(spec.template_files)
         async with open_backend(
             driver=resolved.driver,
@@ -749,7 +788,7 @@ class _Building:
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle = await spec._create_session(backend, resolved, files, self._host_env)
+            handle = await spec._create_session(backend, resolved, files, environment, network)
             try:
                 yield SpecSandbox(spec, backend, handle)
             finally:
