@@ -894,7 +894,7 @@ class Backend:
         it opens, and every RETENTION_SWEEP_INTERVAL seconds while open."""
         self._check_open()
         for handle in self._live:
-            if handle.retention is not None and handle._lease is not None:
+            if handle.retention is not None:
                 handle._lease.refresh()  # alive now, should this process die (see _lease)
         return await trio.to_thread.run_sync(delete_expired_sessions, self.state_directory)
 

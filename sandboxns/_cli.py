@@ -138,7 +138,7 @@ async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
         status = await _run_forwarding(sandbox.session, args, command)
         if not sandbox.handle.destroy_on_close:
             print(
-                f"sandboxns: session {sandbox.handle.session_id} kept (the spec's lifecycle does not destroy it on close); "
+                f"sandboxns: session {sandbox.handle.session_id} kept (its spec does not delete it on close); "
                 f"run more in it with: sandboxns exec --state-dir {state} --session {sandbox.handle.session_id} -- CMD",
                 file=sys.stderr,
             )

@@ -406,6 +406,8 @@ class SandboxSpec:
 
 
 def _check_credential_env(names: object) -> tuple[str, ...]:
+    """The names a builder gave as ``credential_env``; a lone string is
+    refused rather than read as its letters."""
     if (
         isinstance(names, (str, bytes))
         or not isinstance(names, Sequence)
