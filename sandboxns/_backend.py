@@ -5,7 +5,8 @@ credential is ever written here)::
 
     templates/<key>/files/...       immutable template files (see _templates)
     templates/<key>/template.json
-    sessions/<id>/session.json      backend, template, workspace layout
+    sessions/<id>/session.json      backend, template, workspace layout,
+                                    retention
     sessions/<id>/lease             flock'd by the live owner (see _lease)
     sessions/<id>/workspace/        the session's files; with an overlay,
                                     only what differs from the template
@@ -23,6 +24,12 @@ upper and work directories on one mount.
 
 Durability is per process: a crash of the host process loses nothing already
 written, but nothing is fsync'd against power loss.
+
+A session created with a retention is deleted once it has been stopped that
+long: stopped by its owner, or left when its owner died, so that nobody holds
+its lease. The clock is the lease file's modification time (see _lease).
+Whoever opens a backend over the state directory deletes the expired ones,
+and a running backend looks again every RETENTION_SWEEP_INTERVAL seconds.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import shutil
 import ssl
 import stat
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -53,7 +61,7 @@ from ._driver import Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
-from ._lease import Lease, is_locked
+from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, check_seconds, create_sandbox_session
@@ -68,6 +76,10 @@ STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 # A session.json is a few hundred bytes; a much larger one is not ours.
 MAX_DESCRIPTION_BYTES = 64 * 1024
+# How often a running backend deletes stopped sessions past their retention
+# (and stamps the leases of its own, see _lease): retentions are minutes to
+# days, and each look reads every session's record.
+RETENTION_SWEEP_INTERVAL = 60.0
 
 
 class CommandSlots:
@@ -135,6 +147,11 @@ def _description_problem(description: object, session_id: str) -> str | None:
         for mount in mounts
     ):
         return "its mounts are malformed"
+    if description.get("retention") is not None:
+        try:
+            check_seconds(description["retention"], "its retention")
+        except SandboxError as exc:
+            return exc.message
     return None
 
 
@@ -215,6 +232,50 @@ def remove_tree(path: Path) -> None:
         )
 
 
+def _discard(session_dir: Path) -> None:
+    """Remove a session nothing runs in any more. It leaves sessions/ in one
+    rename, so nobody ever finds it half removed."""
+    trash = session_dir.with_name(f".deleted-{session_dir.name}-{secrets.token_hex(4)}")
+    os.rename(session_dir, trash)
+    remove_tree(trash)
+
+
+def delete_expired_sessions(state_directory: Path, *, dry_run: bool = False) -> list[str]:
+    """Delete every stopped session of ``state_directory`` whose retention
+    has passed (with ``dry_run``, only find them); returns their ids. A
+    session someone holds, one still being torn down, and one whose record
+    cannot be read are left alone."""
+    expired = []
+    for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
+        session_dir = state_directory / "sessions" / session_id
+        try:
+            retention = read_description(state_directory, session_id).get("retention")
+            # Judged without the lock first: a sweep must not lock sessions
+            # that are not due, as an owner attaching meanwhile would find
+            # its lease taken.
+            if retention is None or time.time() - last_written(session_dir) < retention:
+                continue
+            with unowned(session_dir) as stopped:
+                if stopped is None or time.time() - stopped < retention:
+                    continue
+                if not dry_run:
+                    image = WorkspaceImage(session_dir)
+                    if image.path.exists():
+                        image.unmount()  # an owner that crashed left it mounted
+                    _discard(session_dir)
+        except FileNotFoundError:  # no lease: never attached, being created right now
+            continue
+        except SandboxError as exc:
+            if exc.code is not ErrorCode.SANDBOX_NOT_FOUND:  # else it was deleted meanwhile
+                logger.warning("not collecting session %s: %s", session_id, exc.message)
+            continue
+        except OSError as exc:
+            logger.warning("not collecting session %s: %s", session_id, exc)
+            continue
+        expired.append(session_id)
+    return expired
+
+
 def _storage_root(session_dir: Path, confinement: Confinement) -> Path:
     """Where a session keeps what it writes (its workspace and an overlay's
     work directory): its own directory, or its mounted image when capped."""
@@ -233,14 +294,18 @@ class SessionHandle:
     def __init__(self, backend: Backend, session_dir: Path, description: dict) -> None:
         self._backend = backend
         self._dir = session_dir
+        self._description = description
         self.session_id: str = description["session"]
         self.template_key: str | None = description["template"]
+        # Seconds a stopped session is kept, or None for ever (session.json).
+        self.retention: float | None = description.get("retention")
         self._driver = None
         self._lease: Lease | None = None
         self._deleted = False
         self._lifecycle = trio.Lock()
         self._network: SessionNetwork | None = None
         self.destroy_on_close = False
+        self.destroy_on_idle = False
         self._idle_watch: trio.CancelScope | None = None
         self._closed = trio.Event()
         self._image: WorkspaceImage | None = None  # a capped session's, see _image
@@ -340,9 +405,10 @@ class SessionHandle:
         await self.aclose()
 
     async def _watch_idleness(self, timeout: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Close the session once it has been idle for ``timeout`` seconds:
-        no command running, no file operation or gateway request. A command
-        running, however long, keeps it alive."""
+        """Close the session (delete it, with ``destroy_on_idle``) once it
+        has been idle for ``timeout`` seconds: no command running, no file
+        operation or gateway request. A command running, however long,
+        keeps it alive."""
         session = self.session
         with trio.CancelScope() as scope:
             self._idle_watch = scope
@@ -356,9 +422,16 @@ class SessionHandle:
             self._idle_watch = None
             logger.info("session %s idle for %gs: closing it", self.session_id, timeout)
             try:
-                await self.aclose()
+                await (self.delete() if self.destroy_on_idle else self.aclose())
             except Exception:  # runs in the backend's nursery, which must not die of it
                 logger.exception("closing idle session %s failed", self.session_id)
+
+    def _retain(self, retention: float) -> None:
+        """Store the session's retention in its session.json. Only while
+        its lease is held, so no one else writes there meanwhile."""
+        self._description["retention"] = retention
+        _write_json(self._dir / "session.json", self._description)
+        self.retention = retention
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
@@ -377,9 +450,7 @@ class SessionHandle:
             try:
                 if self._image is not None:  # an owner that crashed left it mounted
                     await _unmount(self._image)
-                trash = self._dir.with_name(f".deleted-{self.session_id}-{secrets.token_hex(4)}")
-                os.rename(self._dir, trash)
-                await trio.to_thread.run_sync(remove_tree, trash)
+                await trio.to_thread.run_sync(_discard, self._dir)
             finally:
                 self._release()
             self._deleted = True
@@ -421,6 +492,7 @@ class Backend:
         self._live: set[SessionHandle] = set()
         self._pools: dict[str, _Pool] = {}
         self._closed = False
+        self._sweeping = trio.CancelScope()  # the retention sweep's, see open_backend
 
     @property
     def max_concurrent_commands(self) -> int:
@@ -452,6 +524,8 @@ class Backend:
         network: object = "deny-all",
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
+        destroy_on_idle: bool = False,
+        retention: float | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
     ) -> SessionHandle:
@@ -464,7 +538,13 @@ class Backend:
         or ending, a file operation, a gateway request; a running command
         keeps it alive however long it runs) the session is closed like
         :meth:`SessionHandle.aclose`: stopped and resumable, or deleted with
-        ``destroy_on_close``.
+        ``destroy_on_close``; ``destroy_on_idle`` deletes it then in any case.
+
+        ``retention`` (seconds) is how long a new session is kept once it is
+        stopped: by its handle, or because its owner died. After that a
+        backend over this state directory deletes it (see
+        :meth:`Backend.collect_expired`). It is stored with the session; the
+        default keeps a stopped session for ever.
 
         ``mounts`` binds extra host paths into a new session (see
         :class:`~sandboxns.Mount`); they are stored with it and bound again
@@ -491,8 +571,15 @@ class Backend:
             raise invalid_argument("mounts are given when a session is created; a resumed session keeps its own")
         if idle_timeout is not None:
             idle_timeout = check_seconds(idle_timeout, "idle_timeout")
-        if not isinstance(destroy_on_close, bool):
-            raise invalid_argument(f"destroy_on_close must be True or False, not {destroy_on_close!r}")
+        for name, flag in (("destroy_on_close", destroy_on_close), ("destroy_on_idle", destroy_on_idle)):
+            if not isinstance(flag, bool):
+                raise invalid_argument(f"{name} must be True or False, not {flag!r}")
+        if destroy_on_idle and idle_timeout is None:
+            raise invalid_argument("destroy_on_idle needs an idle_timeout")
+        if retention is not None:
+            if state is not None:
+                raise invalid_argument("retention is given when a session is created; a resumed session keeps its own")
+            retention = check_seconds(retention, "retention")
         if state is not None:
             handle = await self._resume(state, template, workspace, policy)
         elif workspace is not None:
@@ -503,7 +590,14 @@ class Backend:
             raise invalid_argument("create() needs template=, workspace= or state=")
         else:
             handle = await self._create_from_template(check_key(template), policy, extra, confinement)
+        if retention is not None:
+            try:
+                await trio.to_thread.run_sync(handle._retain, retention)
+            except BaseException:
+                await handle.delete()  # nobody has seen it yet
+                raise
         handle.destroy_on_close = destroy_on_close
+        handle.destroy_on_idle = destroy_on_idle
         handle.session.touch()  # a pooled session may have waited a long time
         if idle_timeout is not None:
             await self._nursery.start(handle._watch_idleness, idle_timeout)
@@ -792,10 +886,32 @@ class Backend:
             await pool.wake.wait()
             pool.wake = trio.Event()
 
+    async def collect_expired(self) -> list[str]:
+        """Delete the stopped sessions of the state directory (this
+        backend's or another process's) that were created with a retention
+        and have been stopped for longer; returns their ids. A session
+        somebody holds is never touched. :func:`open_backend` does this as
+        it opens, and every RETENTION_SWEEP_INTERVAL seconds while open."""
+        self._check_open()
+        for handle in self._live:
+            if handle.retention is not None:
+                handle._lease.refresh()  # alive now, should this process die (see _lease)
+        return await trio.to_thread.run_sync(delete_expired_sessions, self.state_directory)
+
+    async def _collect_periodically(self) -> None:
+        with self._sweeping:
+            while True:
+                await trio.sleep(RETENTION_SWEEP_INTERVAL)
+                try:
+                    await self.collect_expired()
+                except Exception:  # runs in the backend's nursery, which must not die of it
+                    logger.exception("deleting expired sessions in %s failed", self.state_directory)
+
     async def aclose(self) -> None:
         """Shut down every session this backend still runs, and delete the
         pooled ones nobody was given."""
         self._closed = True
+        self._sweeping.cancel()
         for pool in self._pools.values():
             pool.wake.set()
             while pool.ready:
@@ -845,9 +961,10 @@ async def open_backend(
 ) -> AsyncIterator[Backend]:
     """A backend over ``state_directory`` (created if missing) for as long
     as the block runs; sessions still live at its end are shut down (their
-    files stay). ``on_broker_error`` receives the egress gateway's internal
-    errors; ``upstream_ssl_context`` verifies its https upstreams (default:
-    the system's trust store)."""
+    files stay). Stopped sessions past their retention are deleted as it
+    opens and every RETENTION_SWEEP_INTERVAL seconds. ``on_broker_error``
+    receives the egress gateway's internal errors; ``upstream_ssl_context``
+    verifies its https upstreams (default: the system's trust store)."""
     driver_class(driver)
     limit = _check_limit(max_concurrent_commands)
     if on_broker_error is not None and not callable(on_broker_error):
@@ -866,6 +983,8 @@ async def open_backend(
     async with service_nursery() as nursery:
         backend = Backend(driver, root, limit, GatewayHub(upstream_ssl_context, on_broker_error), nursery)
         try:
+            await backend.collect_expired()  # those that expired while no backend ran
+            nursery.start_soon(backend._collect_periodically)
             yield backend
         finally:
             await backend.aclose()

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import trio
 
-from ._backend import default_state_directory, open_backend, remove_tree, stored_session_state
+from ._backend import (
+    default_state_directory,
+    delete_expired_sessions,
+    open_backend,
+    remove_tree,
+    stored_session_state,
+)
 from ._errors import ErrorCode, SandboxError
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
@@ -134,7 +140,7 @@ async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
         status = await _run_forwarding(sandbox.session, args, command)
         if not sandbox.handle.destroy_on_close:
             print(
-                f"sandboxns: session {sandbox.handle.session_id} kept (lifecycle.destroy_on_close is false); "
+                f"sandboxns: session {sandbox.handle.session_id} kept (its spec does not delete it on close); "
                 f"run more in it with: sandboxns exec --state-dir {state} --session {sandbox.handle.session_id} -- CMD",
                 file=sys.stderr,
             )
@@ -246,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     clear.add_argument("session", help="session id (from 'lease list')")
     clear.add_argument("--force", action="store_true", help="kill the session's remaining processes first")
+    gc = commands.add_parser(
+        "gc",
+        help="delete stopped sessions past their retention",
+        description="Delete every session in --state-dir that was created with a retention and has been stopped "
+        "for longer, printing each one (a running backend does this every minute). A session anyone holds is "
+        "never deleted.",
+    )
+    gc.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    gc.add_argument("--dry-run", action="store_true", help="only list the sessions that would be deleted")
     mcp = commands.add_parser(
         "mcp",
         help="serve a sandbox session's coding tools over MCP (stdio)",
@@ -279,6 +294,13 @@ def _lease(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gc(args: argparse.Namespace) -> int:
+    outcome = "expired" if args.dry_run else "deleted"
+    for session_id in delete_expired_sessions(args.state_dir, dry_run=args.dry_run):
+        print(f"{session_id}  {outcome}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.subcommand == "doctor":
@@ -290,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.subcommand == "lease":
             return _lease(args)
+        if args.subcommand == "gc":
+            return _gc(args)
         if args.subcommand == "validate":
             return _validate(args)
         if args.subcommand == "exec":

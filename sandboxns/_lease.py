@@ -20,6 +20,13 @@ When the lock is
 
 An operator's ``clear --force`` kills what remains and replaces the lease
 file, so a still-running former owner loses its claim (see ``is_current``).
+
+The lease file's modification time is the last time its owner was known to
+be alive: the owner writes the file when it attaches and when it stops (its
+release), and a running backend stamps it again now and then (``refresh``).
+For a stopped session that is when it stopped; for one whose owner died, at
+most one stamp's interval before the death. A stopped session's retention
+counts from it (see ``unowned``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import os
 import secrets
 import signal
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,14 +78,21 @@ class ProcessId:
 
 
 def _start_time(pid: int) -> int | None:
+    """The process's start time, or None once it has exited."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses; the
-    # fields after its closing parenthesis are plain. starttime is field 22.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    # fields after its closing parenthesis are plain: the state is field 3,
+    # starttime field 22.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    # A zombie (exited, not yet reaped by whoever inherited it) holds
+    # nothing of the session any more, as its pidfd says (see _wait_gone).
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 @dataclass(frozen=True)
@@ -262,6 +276,12 @@ class Lease:
         held = os.fstat(self.fd)
         return (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino)
 
+    def refresh(self) -> None:
+        """Stamp the lease file: proof that its owner is alive now (see the
+        module docstring)."""
+        if self.is_current():
+            os.utime(self.fd)
+
     def release(self) -> None:
         """Unlock. Recorded processes that are somehow still alive (a guest
         stuck in uninterruptible sleep outlasting a stop) stay in the
@@ -281,6 +301,28 @@ def is_locked(session_dir: Path) -> bool:
         return True
     os.close(fd)
     return False
+
+
+def last_written(session_dir: Path) -> float:
+    """When the session's lease was last written (seconds since the epoch):
+    its owner's last sign of life. Never locks it."""
+    return os.stat(session_dir / LEASE_NAME).st_mtime
+
+
+@contextlib.contextmanager
+def unowned(session_dir: Path) -> Iterator[float | None]:
+    """For the block, hold the lease of a stopped session: one nobody holds
+    and none of whose recorded processes remain. Gives :func:`last_written`
+    as it is under the lock, or None (and holds nothing) for a session in
+    use or still being torn down."""
+    fd = _try_lock(session_dir / LEASE_NAME)
+    if fd is None:
+        yield None
+        return
+    try:
+        yield None if _read_record(fd).remaining() else os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     [env]
     vars = { LANG = "C.UTF-8" }
     passthrough = ["GIT_AUTHOR_NAME"]  # host variables copied in when the sandbox is built
+    auto_passthrough = true         # and those of the builder's credential_env the host has
     [network]
     egress = [{ origin = "https://api.example.com", headers = { authorization = { env = "API_TOKEN", prefix = "Bearer " } } }]
     [limits]
@@ -20,7 +21,8 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     allow = ["ptrace"]              # lift groups of the default filter; deny = [...] adds syscalls
     [lifecycle]
     idle_timeout = 900
-    destroy_on_close = false
+    destroy_on = ["idle"]           # delete, not stop, when: "close" (any close), "idle" (its idle timeout)
+    retain_stopped = 86400          # a stopped session is deleted a day later
 
 Loading never raises for what a file says: :meth:`SandboxSpec.validate`
 lists every problem, each with the path of its field. Secrets never appear in
@@ -36,7 +38,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,10 @@ _FIELDS = ("id", "description", "driver", "template", "workspace", "env", "netwo
 _RESOURCE_LIMITS = tuple(field.name for field in fields(ResourceLimits))
 # The Confinement fields a spec sets under [limits], in bytes.
 _SIZES = ("tmp_size", "workspace_size")
+_LIFECYCLE = ("idle_timeout", "destroy_on", "destroy_on_close", "retain_stopped")
+# What lifecycle.destroy_on may list: "close" deletes the session whenever it
+# is closed (destroy_on_close), "idle" only when its idle timeout closes it.
+_DESTROY_EVENTS = ("close", "idle")
 
 
 @dataclass(frozen=True)
@@ -271,12 +277,21 @@ class SandboxSpec:
         """The rlimits, /tmp size and seccomp changes its sessions start with."""
         return self._checked().confinement
 
-    def environment(self, host_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    def environment(
+        self, host_env: Mapping[str, str] | None = None, *, credential_env: Sequence[str] = ()
+    ) -> dict[str, str]:
         """The commands' environment: the defaults, ``env.vars``, and the
         ``env.passthrough`` variables' values taken from ``host_env``
         (default: this process's environment). A passthrough variable the
-        host does not have is SANDBOX_INVALID_ARGUMENT."""
+        host does not have is SANDBOX_INVALID_ARGUMENT.
+
+        ``credential_env`` names the variables that hold the caller's
+        credentials (such as ``ANTHROPIC_API_KEY``). With
+        ``env.auto_passthrough``, each of them the host has is passed
+        through as well, unless ``env.vars`` sets it; one it lacks is
+        skipped. Without it they are ignored."""
         resolved = self._checked()
+        credentials = _check_credential_env(credential_env)
         host = os.environ if host_env is None else host_env
         missing = [name for name in resolved.passthrough if name not in host]
         if missing:
@@ -284,7 +299,9 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_INVALID_ARGUMENT,
                 f"env.passthrough names host variables that are not set: {', '.join(missing)}",
             )
-        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in resolved.passthrough}}
+        automatic = [name for name in credentials if name in host and name not in resolved.vars]
+        passthrough = (*resolved.passthrough, *(automatic if resolved.auto_passthrough else ()))
+        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in passthrough}}
 
     def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
         """``network.egress`` as a policy for :meth:`Backend.create`, with
@@ -324,16 +341,21 @@ class SandboxSpec:
         *,
         state_directory: str | os.PathLike[str] | None = None,
         host_env: Mapping[str, str] | None = None,
+        credential_env: Sequence[str] = (),
         **backend_options: Any,
     ) -> _Building:
         """Start the sandbox: a backend over ``state_directory`` (default:
         the user's state directory) and one session in it, configured from
-        the spec. Use ``async with spec.build() as sandbox:``, or
-        ``sandbox = await spec.build()`` and later ``await sandbox.aclose()``
-        in the same task. Nothing starts for an invalid spec."""
-        return _Building(self, state_directory, host_env, backend_options)
+        the spec, with the environment :meth:`environment` gives for
+        ``host_env`` and ``credential_env``. Use ``async with spec.build()
+        as sandbox:``, or ``sandbox = await spec.build()`` and later ``await
+        sandbox.aclose()`` in the same task. Nothing starts for an invalid
+        spec."""
+        return _Building(self, state_directory, host_env, credential_env, backend_options)
 
-    async def create_session(self, backend: Backend, *, host_env: Mapping[str, str] | None = None) -> SessionHandle:
+    async def create_session(
+        self, backend: Backend, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
+    ) -> SessionHandle:
         """A session of this spec in an already open ``backend`` (whose
         driver must be the spec's)."""
         resolved = self._checked()
@@ -342,21 +364,24 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
+        environment = self.environment(host_env, credential_env=credential_env)
+        network = self.network_policy(host_env)
         files = await trio.to_thread.run_sync(self.template_files)
-        return await self._create_session(backend, resolved, files, host_env)
+        return await self._create_session(backend, resolved, files, environment, network)
 
     async def _create_session(
         self,
         backend: Backend,
         resolved: _Resolved,
         files: dict[str, bytes] | None,
-        host_env: Mapping[str, str] | None,
+        environment: dict[str, str],
+        network: object,
     ) -> SessionHandle:
-        environment = self.environment(host_env)  # refused before anything is created
-        network = self.network_policy(host_env)
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
+            "destroy_on_idle": resolved.destroy_on_idle,
+            "retention": resolved.retain_stopped,
             "confinement": resolved.confinement,
         }
         if resolved.workspace is not None:
@@ -371,10 +396,28 @@ class SandboxSpec:
             raise
         return handle
 
-    def configure_session(self, session: Session, *, host_env: Mapping[str, str] | None = None) -> None:
+    def configure_session(
+        self, session: Session, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
+    ) -> None:
         """Give ``session`` the spec's command environment and limits: for
         a session of this spec resumed elsewhere (``sandboxns exec --spec``)."""
-        _configure(session, self._checked().limits, self.environment(host_env))
+        environment = self.environment(host_env, credential_env=credential_env)
+        _configure(session, self._checked().limits, environment)
+
+
+def _check_credential_env(names: object) -> tuple[str, ...]:
+    """The names a builder gave as ``credential_env``; a lone string is
+    refused rather than read as its letters."""
+    if (
+        isinstance(names, (str, bytes))
+        or not isinstance(names, Sequence)
+        or not all(isinstance(name, str) and ENV_NAME.fullmatch(name) for name in names)
+    ):
+        raise SandboxError(
+            ErrorCode.SANDBOX_INVALID_ARGUMENT,
+            f"credential_env must be a list or tuple of environment variable names, not {_short(names)}",
+        )
+    return tuple(names)
 
 
 def _configure(session: Session, limits: SpecLimits, environment: Mapping[str, str]) -> None:
@@ -408,11 +451,14 @@ class _Resolved:
     workspace: Path | None
     vars: dict[str, str]
     passthrough: tuple[str, ...]
+    auto_passthrough: bool
     egress: str | tuple[_Egress, ...]
     limits: SpecLimits
     confinement: Confinement
     idle_timeout: float | None
     destroy_on_close: bool
+    destroy_on_idle: bool
+    retain_stopped: float | None
 
 
 def _parse(text: str, suffix: str) -> tuple[object, str]:
@@ -484,7 +530,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         if not workspace.is_dir():
             c.problem("workspace", f"directory {workspace} does not exist")
 
-    env = c.table(top.get("env", {}), "env", ("vars", "passthrough"))
+    env = c.table(top.get("env", {}), "env", ("vars", "passthrough", "auto_passthrough"))
     variables: dict[str, str] = {}
     for name, value in c.table(env.get("vars", {}), "env.vars", None).items():
         field = f"env.vars.{name}"
@@ -502,6 +548,8 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         elif name in variables:
             c.problem(f"env.passthrough[{index}]", f"{name} is also set in env.vars")
 
+    auto_passthrough = c.boolean(env.get("auto_passthrough", False), "env.auto_passthrough") or False
+
     egress = _check_egress(c, c.table(top.get("network", {}), "network", ("egress",)).get("egress", "deny-all"))
 
     limits_table = c.table(top.get("limits", {}), "limits", (*_DEFAULT_LIMITS, *_RESOURCE_LIMITS, *_SIZES))
@@ -517,13 +565,14 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     if workspace is not None and confinement.workspace_size is not None:
         c.problem("limits.workspace_size", "a host directory (workspace) cannot be capped, only a template's sessions")
 
-    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", ("idle_timeout", "destroy_on_close"))
-    idle_timeout = None
-    if "idle_timeout" in lifecycle:
-        idle_timeout = c.number(
-            lifecycle["idle_timeout"], "lifecycle.idle_timeout", integer=False, minimum=0.001, maximum=math.inf
-        )
-    destroy = c.boolean(lifecycle.get("destroy_on_close", False), "lifecycle.destroy_on_close") or False
+    lifecycle = c.table(top.get("lifecycle", {}), "lifecycle", _LIFECYCLE)
+    idle_timeout, retain_stopped = (
+        c.number(lifecycle[name], f"lifecycle.{name}", integer=False, minimum=0.001, maximum=math.inf)
+        if name in lifecycle
+        else None
+        for name in ("idle_timeout", "retain_stopped")
+    )
+    destroy_on_close, destroy_on_idle = _check_destroy(c, lifecycle)
 
     resolved = _Resolved(
         id=spec_id or "",
@@ -532,13 +581,49 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         workspace=workspace,
         vars=variables,
         passthrough=tuple(name for name in passthrough if isinstance(name, str)),
+        auto_passthrough=auto_passthrough,
         egress=egress,
         limits=SpecLimits(**limits),
         confinement=confinement,
         idle_timeout=idle_timeout,
-        destroy_on_close=destroy,
+        destroy_on_close=destroy_on_close,
+        destroy_on_idle=destroy_on_idle,
+        retain_stopped=retain_stopped,
     )
     return c.problems, resolved
+
+
+def _check_destroy(c: _Checker, lifecycle: Mapping[str, Any]) -> tuple[bool, bool]:
+    """Whether closing deletes the session, and whether its idle timeout
+    does: ``destroy_on``, or the older ``destroy_on_close`` (both may be
+    given if they agree)."""
+    events = []
+    listed = lifecycle.get("destroy_on", [])
+    if not isinstance(listed, list):
+        c.problem("lifecycle.destroy_on", f"must be a list drawn from 'close' and 'idle', not {_short(listed)}")
+        listed = []
+    for index, event in enumerate(listed):
+        if event not in _DESTROY_EVENTS:
+            c.problem(f"lifecycle.destroy_on[{index}]", f"must be 'close' or 'idle', not {_short(event)}")
+        elif event in events:
+            c.problem(f"lifecycle.destroy_on[{index}]", f"{event!r} is listed twice")
+        else:
+            events.append(event)
+    if "idle" in events and "idle_timeout" not in lifecycle:
+        c.problem("lifecycle.destroy_on", "'idle' needs a lifecycle.idle_timeout")
+    close = "close" in events
+    if "destroy_on_close" in lifecycle:
+        flag = c.boolean(lifecycle["destroy_on_close"], "lifecycle.destroy_on_close")
+        # Compared only with a destroy_on that is all valid, or the one
+        # mistake would be reported twice.
+        if flag is not None and "destroy_on" in lifecycle and len(events) == len(listed) and flag != close:
+            c.problem(
+                "lifecycle.destroy_on_close",
+                f"is {str(flag).lower()} but lifecycle.destroy_on {'lists' if close else 'does not list'} 'close';"
+                " give one of them",
+            )
+        close = close if flag is None else flag
+    return close, "idle" in events
 
 
 def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[str, Any]) -> Confinement:
@@ -655,7 +740,7 @@ class SpecSandbox:
     """A running sandbox built from a spec: its backend, its session handle,
     and the spec's command environment and limits already applied to
     :attr:`session`. Closing it stops the session (keeping its files,
-    resumable) or deletes it when the spec says ``destroy_on_close``."""
+    resumable) or deletes it when the spec's lifecycle destroys it on close."""
 
     def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle) -> None:
         self.spec = spec
@@ -675,10 +760,11 @@ class _Building:
     """What :meth:`SandboxSpec.build` returns: use it once, as an async
     context manager or by awaiting it."""
 
-    def __init__(self, spec: SandboxSpec, state_directory, host_env, backend_options) -> None:
+    def __init__(self, spec: SandboxSpec, state_directory, host_env, credential_env, backend_options) -> None:
         self._spec = spec
         self._state_directory = state_directory
         self._host_env = host_env
+        self._credential_env = credential_env
         self._backend_options = backend_options
         self._used = False
         self._context: contextlib.AbstractAsyncContextManager[SpecSandbox] | None = None
@@ -695,8 +781,8 @@ class _Building:
         spec = self._spec
         resolved = spec._checked()
         # Resolve host variables and read the template before anything starts.
-        spec.environment(self._host_env)
-        spec.network_policy(self._host_env)
+        environment = spec.environment(self._host_env, credential_env=self._credential_env)
+        network = spec.network_policy(self._host_env)
         files = await trio.to_thread.run_sync(spec.template_files)
         async with open_backend(
             driver=resolved.driver,
@@ -704,7 +790,7 @@ class _Building:
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle = await spec._create_session(backend, resolved, files, self._host_env)
+            handle = await spec._create_session(backend, resolved, files, environment, network)
             try:
                 yield SpecSandbox(spec, backend, handle)
             finally:

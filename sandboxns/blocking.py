@@ -270,6 +270,9 @@ class BlockingBackend(_Closing):
     def pool(self, *, template: str, size: int) -> None:
         self._portal.call(self._backend.pool, template=template, size=size)
 
+    def collect_expired(self) -> list[str]:
+        return self._portal.call(self._backend.collect_expired)
+
 
 class BlockingSandbox(BlockingSession, _Closing):
     """A sandbox from :func:`open_sandbox`: a :class:`BlockingSession` that

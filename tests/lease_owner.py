@@ -1,6 +1,8 @@
 """A backend owner in its own OS process, driven by test_leases.py.
 
-python lease_owner.py STATE_DIR create MARKER   new session; prints its state,
+python lease_owner.py STATE_DIR create MARKER [RETENTION]
+                                                new session (with that
+                                                retention); prints its state,
                                                 then "running" once a command
                                                 (sleep MARKER) runs; waits
 python lease_owner.py STATE_DIR resume STATE    prints "resumed <file>" and waits
@@ -19,12 +21,14 @@ from conftest import FirstLine
 import sandboxns
 
 
-async def main(driver: str, state_dir: str, mode: str, argument: str) -> None:
+async def main(driver: str, state_dir: str, mode: str, argument: str, retention: str | None = None) -> None:
     async with sandboxns.open_backend(driver=driver, state_directory=state_dir) as backend:
         template = await backend.prewarm(template="lease-test", files={"kept.txt": b"from the template"})
         try:
             if mode == "create":
-                handle = await backend.create(template=template.template_key)
+                handle = await backend.create(
+                    template=template.template_key, retention=None if retention is None else float(retention)
+                )
                 await handle.session.write_file("written.txt", b"before the crash")
                 print(json.dumps(handle.capture_state()), flush=True)
                 started = FirstLine()
@@ -50,4 +54,4 @@ async def main(driver: str, state_dir: str, mode: str, argument: str) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, *sys.argv[1:5])
+    trio.run(main, *sys.argv[1:6])

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,9 @@ class Owner:
         self._buffer = b""
 
     @classmethod
-    async def start(cls, driver: str, state_dir: Path, mode: str, argument: str) -> Owner:
+    async def start(cls, driver: str, state_dir: Path, mode: str, *arguments: str) -> Owner:
         process = await trio.lowlevel.open_process(
-            [sys.executable, OWNER, driver, str(state_dir), mode, argument],
+            [sys.executable, OWNER, driver, str(state_dir), mode, *arguments],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -80,6 +81,18 @@ async def test_two_processes_contend_and_a_crashed_owner_is_recovered(driver_nam
     assert await third.finish() == 0
     listing = sandboxns_cli("lease", "list", "--state-dir", str(state_dir))
     assert listing.returncode == 0 and f"{json.loads(state)['session']}  free" in listing.stdout
+
+
+def test_a_zombie_is_gone():
+    # Exited, not yet reaped: it holds nothing of a session (its pidfd is
+    # readable), so a lease whose record lists it is free of processes.
+    child = subprocess.Popen(["sleep", sleep_marker()])
+    process = _lease.ProcessId.of(child.pid)
+    assert process is not None and process.alive()
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # waits for the exit, leaves the zombie
+    assert not process.alive() and _lease.LeaseRecord(processes=(process,)).remaining() == []
+    assert child.wait() == -9
 
 
 async def test_when_safety_cannot_be_proven_the_operator_decides(driver_name, state_dir, monkeypatch):
@@ -151,3 +164,50 @@ async def test_a_forced_clear_takes_the_session_from_a_live_owner(driver_name, s
         await handle.shutdown()
         await taker.delete()
         assert os.listdir(state_dir / "sessions") == []
+
+
+async def torn_down(session_dir: Path) -> None:
+    """Wait until nothing is left of a dead owner's session: its lease free
+    (the native launcher holds it until then) and its recorded processes
+    gone."""
+    lease = os.open(session_dir / "lease", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with trio.fail_after(20):
+            await trio.to_thread.run_sync(fcntl.flock, lease, fcntl.LOCK_EX, abandon_on_cancel=True)
+    finally:
+        os.close(lease)
+    assert await _lease.wait_all_gone(_lease.read_record(session_dir / "lease").processes, 20) == []
+
+
+def last_seen(session_dir: Path, seconds_ago: float) -> None:
+    """Set the time the session's owner was last known alive (its lease's
+    modification time, the retention clock)."""
+    then = time.time() - seconds_ago
+    os.utime(session_dir / "lease", (then, then))
+
+
+async def test_gc_spares_a_session_another_process_holds_and_collects_it_once_that_owner_died(driver_name, state_dir):
+    marker = sleep_marker()
+    owner = await Owner.start(driver_name, state_dir, "create", marker, "3600")
+    session_id = json.loads(await owner.line())["session"]
+    assert await owner.line() == "running"
+    session_dir = state_dir / "sessions" / session_id
+    last_seen(session_dir, 3601)  # as old as it gets: only the held lease keeps it
+    gc = sandboxns_cli("gc", "--state-dir", str(state_dir))
+    assert (gc.returncode, gc.stdout) == (0, ""), gc.stderr
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
+        assert await backend.collect_expired() == []
+    assert session_dir.is_dir() and host_processes_with(marker)
+
+    owner.process.kill()  # it never stops the session: the retention counts from its last sign of life
+    await owner.process.wait()
+    await torn_down(session_dir)
+    last_seen(session_dir, 60)
+    assert sandboxns_cli("gc", "--state-dir", str(state_dir)).stdout == ""
+    last_seen(session_dir, 3601)
+    dry_run = sandboxns_cli("gc", "--state-dir", str(state_dir), "--dry-run")
+    assert (dry_run.returncode, dry_run.stdout) == (0, f"{session_id}  expired\n"), dry_run.stderr
+    assert session_dir.is_dir()
+    gc = sandboxns_cli("gc", "--state-dir", str(state_dir))
+    assert (gc.returncode, gc.stdout) == (0, f"{session_id}  deleted\n"), gc.stderr
+    assert os.listdir(state_dir / "sessions") == [] and host_processes_with(marker) == []

@@ -26,6 +26,7 @@ driver = "{driver}"
 [env]
 vars = {{ GREETING = "hi" }}
 passthrough = ["SPEC_TEST_USER"]
+auto_passthrough = true
 
 [network]
 egress = [{{ origin = "https://api.example.com", headers = {{ authorization = {{ env = "SPEC_TEST_TOKEN", prefix = "Bearer " }} }} }}]
@@ -46,7 +47,7 @@ SAME_AS_JSON = {
     "description": "an agent's box",
     "driver": "native",
     "template": {"files": {"main.py": "print('hello')\n", "pkg/data.txt": "data"}},
-    "env": {"vars": {"GREETING": "hi"}, "passthrough": ["SPEC_TEST_USER"]},
+    "env": {"vars": {"GREETING": "hi"}, "passthrough": ["SPEC_TEST_USER"], "auto_passthrough": True},
     "network": {
         "egress": [
             {
@@ -70,6 +71,7 @@ template:
 env:
   vars: {GREETING: hi}
   passthrough: [SPEC_TEST_USER]
+  auto_passthrough: true
 network:
   egress:
     - origin: https://api.example.com
@@ -84,7 +86,15 @@ lifecycle: {idle_timeout: 600, destroy_on_close: true}
 Prose about the sandbox, for people.
 """
 
-HOST = {"SPEC_TEST_USER": "alice", "SPEC_TEST_TOKEN": "s3cret-token"}
+HOST = {
+    "SPEC_TEST_USER": "alice",
+    "SPEC_TEST_TOKEN": "s3cret-token",
+    "SPEC_TEST_KEY": "sk-auto-7e1d",
+    "GREETING": "host",
+}
+# The caller's credential variables: one the host lacks, one the spec passes
+# through anyway, one it sets itself.
+CREDENTIALS = ("SPEC_TEST_KEY", "SPEC_TEST_UNSET", "SPEC_TEST_USER", "GREETING")
 
 
 def write(tmp_path, name: str, text: str | bytes):
@@ -107,6 +117,10 @@ def test_toml_json_and_sandbox_md_say_the_same_thing(tmp_path):
         assert spec.id == "py-agent" and spec.driver == "native"
         assert spec.limits == sandboxns.SpecLimits(2, 64, 100, 3)
         assert spec.environment(HOST) == {**sandboxns._session.DEFAULT_ENV, "GREETING": "hi", "SPEC_TEST_USER": "alice"}
+        assert spec.environment(HOST, credential_env=CREDENTIALS) == {
+            **spec.environment(HOST),
+            "SPEC_TEST_KEY": "sk-auto-7e1d",
+        }
         assert spec.network_policy(HOST) == {
             "allow": [{"origin": "https://api.example.com", "headers": {"authorization": "Bearer s3cret-token"}}]
         }
@@ -123,6 +137,7 @@ files = 3
 [env]
 vars = { GREETING = 1, "BAD=NAME" = "x" }
 passthrough = ["OK", 7]
+auto_passthrough = "yes"
 [network]
 egress = [{ origin = "ftp://example.com", headers = { authorization = "Bearer literal-secret" } }, { headers = {} }]
 [limits]
@@ -132,6 +147,7 @@ surprise = 1
 [lifecycle]
 destroy_on_close = "yes"
 idle_timeout = 0
+retain_stopped = -5
 """
     spec = SandboxSpec.load(write(tmp_path, "bad.toml", bad))
     problems = {problem.field: problem.message for problem in spec.validate()}
@@ -143,6 +159,7 @@ idle_timeout = 0
         "env.vars.GREETING",
         "env.vars.BAD=NAME",
         "env.passthrough[1]",
+        "env.auto_passthrough",
         "network.egress[0].origin",
         "network.egress[0].headers.authorization",
         "network.egress[1].origin",
@@ -151,8 +168,11 @@ idle_timeout = 0
         "limits.surprise",
         "lifecycle.destroy_on_close",
         "lifecycle.idle_timeout",
+        "lifecycle.retain_stopped",
     }
     assert "not a known field" in problems["colour"]
+    assert problems["lifecycle.retain_stopped"] == "must be from 0.001 to inf, not -5"
+    assert problems["env.auto_passthrough"] == "must be true or false, not a string"
     assert "never holds a credential" in problems["network.egress[0].headers.authorization"]
     assert "literal-secret" not in json.dumps(problems)  # a would-be secret is not echoed back
 
@@ -198,24 +218,41 @@ async def test_missing_host_variables_are_refused_before_anything_starts(tmp_pat
 
 async def test_a_built_sandbox_applies_the_spec(driver_name, tmp_path):
     spec = SandboxSpec.load(write(tmp_path, "box.toml", TOML.format(driver=driver_name)))
-    async with spec.build(state_directory=tmp_path / "state", host_env=HOST) as sandbox:
+    building = spec.build(state_directory=tmp_path / "state", host_env=HOST, credential_env=CREDENTIALS)
+    async with building as sandbox:
         session = sandbox.session
         assert sandbox.backend.name == driver_name and sandbox.backend.max_concurrent_commands == 3
         assert session.network.kind == "allow" and "s3cret" not in repr(session.network)
-        result = await session.run("sh", ["-c", "cat main.py pkg/data.txt; echo; echo $GREETING $SPEC_TEST_USER"])
-        assert result.stdout == "print('hello')\ndata\nhi alice\n"
+        shown = "cat main.py pkg/data.txt; echo; echo $GREETING $SPEC_TEST_USER $SPEC_TEST_KEY ${SPEC_TEST_UNSET-unset}"
+        result = await session.run("sh", ["-c", shown])
+        assert result.stdout == "print('hello')\ndata\nhi alice sk-auto-7e1d unset\n"
         assert "SPEC_TEST_TOKEN" not in (await session.run("env")).stdout  # header values never reach the guest
         assert (await session.run("sh", ["-c", "head -c 1000 /dev/zero"])).truncated  # max_output_bytes = 64
         assert (await session.run("sleep", ["10"])).timed_out  # timeout = 2
         await refused(ErrorCode.SANDBOX_LIMIT, session.write_file("big", b"x" * 101))  # max_file_bytes = 100
         session_dir = tmp_path / "state" / "sessions" / sandbox.handle.session_id
         assert session_dir.is_dir()
-        # Passthrough and header values live in memory only, never on disk.
+        # Passthrough (explicit or automatic) and header values live in
+        # memory only, never on disk.
         for stored in (tmp_path / "state").rglob("*"):
             if stored.is_file() and not stored.is_symlink():
                 content = stored.read_bytes()
-                assert b"alice" not in content and b"s3cret" not in content, stored
+                assert b"alice" not in content and b"s3cret" not in content and b"sk-auto" not in content, stored
     assert not session_dir.exists()  # destroy_on_close
+
+
+def test_credentials_pass_through_only_when_the_spec_asks():
+    spec = SandboxSpec.from_dict({"id": "plain", "env": {"passthrough": ["SPEC_TEST_USER"]}})
+    assert "SPEC_TEST_KEY" not in spec.environment(HOST, credential_env=CREDENTIALS)
+
+
+@pytest.mark.parametrize("names", ["SPEC_TEST_KEY", ["SPEC_TEST_KEY", 7], ["BAD=NAME"], None])
+async def test_bad_credential_env_is_refused_before_anything_starts(tmp_path, names):
+    spec = SandboxSpec.from_dict({"id": "auto", "env": {"auto_passthrough": True}})
+    building = spec.build(state_directory=tmp_path / "state", host_env=HOST, credential_env=names)
+    error = await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, building)
+    assert "credential_env must be" in error.message
+    assert not (tmp_path / "state").exists()
 
 
 async def test_awaiting_build_and_a_kept_session(tmp_path):
@@ -291,6 +328,8 @@ async def test_create_session_checks_the_backend_driver(tmp_path):
         ({"id": "x", "limits": {"timeout": 10**400}}, "limits.timeout"),
         ({"id": "x", "limits": {"max_file_bytes": 2**63 - 1}}, "limits.max_file_bytes"),
         ({"id": "x", "lifecycle": {"idle_timeout": 10**400}}, "lifecycle.idle_timeout"),
+        ({"id": "x", "lifecycle": {"retain_stopped": True}}, "lifecycle.retain_stopped"),
+        ({"id": "x", "lifecycle": {"retain_stopped": float("nan")}}, "lifecycle.retain_stopped"),
         ({"id": "x", "template": {"files": "a\0b"}}, "template.files"),
         ({"id": "x", "template": {"files": {"a": "1", "./a": "2"}}}, "template.files"),
         ({"id": "x", "template": {"files": {"d": "1", "d/e": "2"}}}, "template.files"),
@@ -325,6 +364,36 @@ async def test_create_session_checks_the_backend_driver(tmp_path):
 def test_odd_documents_are_problems_with_their_field(document, field):
     problems = SandboxSpec.from_dict(document).validate()
     assert field in {problem.field for problem in problems}, problems
+
+
+@pytest.mark.parametrize(
+    "lifecycle",
+    [
+        {"destroy_on": []},
+        {"destroy_on": ["close"], "destroy_on_close": True},
+        {"destroy_on": [], "destroy_on_close": False},
+        {"destroy_on": ["idle", "close"], "idle_timeout": 60},
+    ],
+)
+def test_destroy_on_and_destroy_on_close_may_both_be_given_if_they_agree(lifecycle):
+    assert SandboxSpec.from_dict({"id": "x", "lifecycle": lifecycle}).validate() == []
+
+
+@pytest.mark.parametrize(
+    ("lifecycle", "field", "message"),
+    [
+        ({"destroy_on": "close"}, "lifecycle.destroy_on", "must be a list drawn from 'close' and 'idle'"),
+        ({"destroy_on": ["close", "kill"]}, "lifecycle.destroy_on[1]", "must be 'close' or 'idle', not 'kill'"),
+        ({"destroy_on": [["close"]]}, "lifecycle.destroy_on[0]", "must be 'close' or 'idle'"),
+        ({"destroy_on": ["close", "close"]}, "lifecycle.destroy_on[1]", "listed twice"),
+        ({"destroy_on": ["idle"]}, "lifecycle.destroy_on", "'idle' needs a lifecycle.idle_timeout"),
+        ({"destroy_on": ["close"], "destroy_on_close": False}, "lifecycle.destroy_on_close", "give one of them"),
+        ({"destroy_on": [], "destroy_on_close": True}, "lifecycle.destroy_on_close", "give one of them"),
+    ],
+)
+def test_a_bad_destroy_on_is_one_problem_at_its_field(lifecycle, field, message):
+    [problem] = SandboxSpec.from_dict({"id": "x", "lifecycle": lifecycle}).validate()
+    assert (problem.field, message in problem.message) == (field, True), problem
 
 
 @pytest.mark.parametrize(
