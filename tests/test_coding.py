@@ -474,25 +474,32 @@ async def test_a_driver_without_a_workspace_binding_is_refused(session):
     assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
 
 
+async def run_command_interrupted(tools, workspace, script: str, interrupt) -> dict:
+    """The run_command result of ``script`` (which writes to the FIFO
+    ``started`` once it runs) when ``await interrupt()`` comes while it runs."""
+    started = workspace / "started"
+    os.mkfifo(started)
+    results = []
+
+    async def run() -> None:
+        results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await trio.to_thread.run_sync(started.read_bytes)
+        await interrupt()
+    [result] = results
+    return result
+
+
 @pytest.mark.parametrize("output", ["partial\n", ""])
 async def test_stopping_the_session_cancels_a_running_command(driver_name, state_dir, workspace, recorder, output):
     async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
         handle = await backend.create(workspace=workspace)
         tools = await create_sandbox_coding_tools(handle, authorize=recorder.authorize)
-        started = workspace / "started"
-        os.mkfifo(started)
         marker = sleep_marker()
-        results = []
-
-        async def long() -> None:
-            script = f"printf '{output}'; echo > started; sleep {marker} & sleep {marker}"
-            results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(long)
-            await trio.to_thread.run_sync(started.read_bytes)
-            await handle.stop()
-    [result] = results
+        script = f"printf '{output}'; echo > started; sleep {marker} & sleep {marker}"
+        result = await run_command_interrupted(tools, workspace, script, handle.stop)
     assert (result.get("outcome"), result.get("exit_code"), result.get("stdout")) == ("cancelled", None, output), result
     assert host_processes_with(marker) == []
 
@@ -508,19 +515,8 @@ async def test_a_holder_killed_from_the_host_is_unavailable_then_stopped(workspa
             await kill_native_holder(session)
             result = await call(tools, "run_command", executable="shell", args=["-c", "true"])
         else:
-            started = workspace / "started"
-            os.mkfifo(started)
-            results = []
-
-            async def long() -> None:
-                script = f"echo partial; echo > started; sleep {marker}"
-                results.append(await call(tools, "run_command", executable="shell", args=["-c", script]))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(long)
-                await trio.to_thread.run_sync(started.read_bytes)
-                await kill_native_holder(session)
-            [result] = results
+            script = f"echo partial; echo > started; sleep {marker}"
+            result = await run_command_interrupted(tools, workspace, script, lambda: kill_native_holder(session))
         assert host_processes_with(marker) == []
         # A broken sandbox, not a stop: the model gets the fixed reason, the
         # host the cause.
