@@ -39,7 +39,7 @@ import shutil
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -128,6 +128,9 @@ class GatewayHub:
         self.ssl_context = ssl_context or ssl.create_default_context()
         self.on_error = on_error
         self.limiter = trio.CapacityLimiter(max_concurrent_requests)
+        # What one session's gateway may hold of it, so a second session is
+        # still served while the first saturates its share.
+        self.session_share = max(1, max_concurrent_requests // 2)
         self._subscribers: set[trio.MemorySendChannel] = set()
         self.dropped_records = 0
         # (host, port) -> (address that answered, until when to trust it)
@@ -354,6 +357,7 @@ class Gateway:
         self._cancel = trio.CancelScope()
         self._done = trio.Event()
         self._connections = 0
+        self._limiter = trio.CapacityLimiter(hub.session_share)
 
     def update(self, policy: NetworkPolicy) -> None:
         self.policy = policy
@@ -407,10 +411,20 @@ class Gateway:
     async def _requests(self, stream: trio.SocketStream) -> None:
         buffer = b""
         while True:
-            with trio.move_on_after(IDLE_TIMEOUT if not buffer else CLIENT_TIMEOUT) as waiting:
+            if not buffer:
+                # Between requests a connection may idle; a request, from
+                # its first byte, has CLIENT_TIMEOUT to arrive whole.
+                with trio.move_on_after(IDLE_TIMEOUT):
+                    buffer = await stream.receive_some(_READ)
+                if not buffer:
+                    return  # idle, or gone
+            with trio.move_on_after(CLIENT_TIMEOUT) as waiting:
                 head, buffer = await self._read_head(stream, buffer)
-            if waiting.cancelled_caught or head is None:
-                return  # idle, too slow to send a request head, or gone
+            if waiting.cancelled_caught:
+                await self._send(stream, _plain_response(408, "the request head took too long to arrive", close=True))
+                return
+            if head is None:
+                return  # too large, or gone
             keep_alive, buffer = await self._handle(stream, head, buffer)
             if not keep_alive:
                 await _linger(stream)
@@ -494,17 +508,12 @@ class Gateway:
             path = _path_of(upstream_target)
             body, rest = await self._read_body(stream, connection, rest)
             bytes_in = len(body)
-            try:
-                self._hub.limiter.acquire_nowait()
-            except trio.WouldBlock:
-                raise Refusal(503, "too many requests through the gateway at once; retry later") from None
-            try:
-                with trio.fail_after(REQUEST_DEADLINE):
-                    response = await self._exchange(allowed, request, upstream_target, body)
-            except trio.TooSlowError:
-                raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s") from None
-            finally:
-                self._hub.limiter.release()
+            with self._request_slot():
+                try:
+                    with trio.fail_after(REQUEST_DEADLINE):
+                        response = await self._exchange(allowed, request, upstream_target, body)
+                except trio.TooSlowError:
+                    raise Refusal(504, f"{origin_text} did not answer within {REQUEST_DEADLINE:g}s") from None
             if 300 <= response.status < 400 and response.status != 304:
                 raise Refusal(502, f"{origin_text} answered {response.status}: redirects are not followed")
             headers = _end_to_end(response.headers)
@@ -532,11 +541,34 @@ class Gateway:
             self._audit(method, origin_text, requested, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
 
+    @contextlib.contextmanager
+    def _request_slot(self) -> Iterator[None]:
+        """One of this session's share of the backend's concurrent requests,
+        and one of the backend's, for the block; 503 at once without."""
+        try:
+            self._limiter.acquire_nowait()
+        except trio.WouldBlock:
+            raise Refusal(
+                503, f"this session has {self._limiter.total_tokens} requests through the gateway at once; retry later"
+            ) from None
+        try:
+            try:
+                self._hub.limiter.acquire_nowait()
+            except trio.WouldBlock:
+                raise Refusal(503, "too many requests through the gateway at once; retry later") from None
+            try:
+                yield
+            finally:
+                self._hub.limiter.release()
+        finally:
+            self._limiter.release()
+
     async def _read_body(
         self, stream: trio.SocketStream, connection: h11.Connection, rest: bytes
     ) -> tuple[bytes, bytes]:
         body = bytearray()
-        connection.receive_data(rest)
+        if rest:  # an empty read is the end of the stream to h11, and the body may not be here yet
+            connection.receive_data(rest)
         continued = False
         with trio.move_on_after(CLIENT_TIMEOUT) as timeout:
             while True:

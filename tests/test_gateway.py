@@ -13,6 +13,8 @@ from conftest import SECRET, FirstLine, http, policy_for
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
+from sandboxns._gateway import CLIENT_TIMEOUT, Gateway, GatewayHub
+from sandboxns._network import check_network_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -79,6 +81,22 @@ async def test_https_upstream_is_verified_and_gets_the_header(gateway_session, u
     assert status == 200, body
     [received] = a_tls.requests
     assert received.headers["authorization"] == SECRET and received.body == b"payload"
+
+
+async def test_curl_posts_with_expect_100_continue(gateway_session, upstreams, workspace):
+    # curl sends the head, waits for 100 Continue, then the body: a body
+    # that arrives in a later read than its head.
+    a, b, a_tls = upstreams
+    (workspace / "body").write_bytes(b"x" * 100_000)
+    result = await gateway_session.run(
+        "curl",
+        ["-sS", "--unix-socket", "/run/sandboxns-network.sock", "-H", "Expect: 100-continue",
+         "--data-binary", "@body", "-w", "%{http_code}", "-o", "/dev/null", f"http://{a.host}/upload"],
+        timeout=20,
+    )  # fmt: skip
+    assert (result.exit_code, result.stdout) == (0, "200"), result
+    [received] = a.requests
+    assert received.body == b"x" * 100_000 and received.headers["authorization"] == SECRET
 
 
 async def test_untrusted_https_upstream_is_refused(driver_name, workspace, upstreams):
@@ -202,7 +220,8 @@ async def test_bodies_over_a_mebibyte_are_refused_both_ways(gateway_session, ups
     assert status == 502 and b"over" in body
 
 
-async def test_the_seventeenth_concurrent_request_gets_503(gateway_session, upstreams, workspace):
+async def test_a_sessions_ninth_concurrent_request_gets_503(gateway_session, upstreams, workspace):
+    # Half of the backend's 16 (see the host-side test of the shares below).
     a, b, a_tls = upstreams
     a.hold = trio.Event()
     results: list[int] = []
@@ -212,14 +231,14 @@ async def test_the_seventeenth_concurrent_request_gets_503(gateway_session, upst
         results.append(status)
 
     async with trio.open_nursery() as nursery:
-        for _ in range(16):
+        for _ in range(8):
             nursery.start_soon(one)
         with trio.fail_after(30):
-            await a.wait_for_waiting(16)
-        [(status, _)] = await send(gateway_session, http("GET", "/seventeenth", a.host))
-        assert status == 503
+            await a.wait_for_waiting(8)
+        [(status, body)] = await send(gateway_session, http("GET", "/ninth", a.host))
+        assert status == 503 and b"this session" in body
         a.hold.set()
-    assert results == [200] * 16
+    assert results == [200] * 8
 
 
 async def test_the_secret_never_reaches_the_guest_the_disk_or_the_log(
@@ -490,13 +509,13 @@ import socket
 s = socket.socket(socket.AF_UNIX)
 s.connect("/run/sandboxns-network.sock")
 s.sendall(b"GET / HTTP/1.1\\r\\nHost: x")  # and never the rest
-print("closed" if s.recv(100) == b"" else "answered")
+print("timed-out" if s.recv(100).startswith(b"HTTP/1.1 408 ") else "other")
 idle = socket.socket(socket.AF_UNIX)
 idle.connect("/run/sandboxns-network.sock")
 print("closed" if idle.recv(100) == b"" else "answered")
 """
     result = await gateway_session.run("python3", ["-c", slowloris], timeout=10)
-    assert result.stdout.split() == ["closed", "closed"], result
+    assert result.stdout.split() == ["timed-out", "closed"], result
 
 
 async def test_guests_that_hang_up_or_hoard_connections_cannot_stop_the_gateway(gateway_session, upstreams):
@@ -555,3 +574,67 @@ async def test_oversized_request_heads_are_refused(gateway_session, upstreams):
         [(status, _)] = await send(gateway_session, raw)
         assert status == 431
     assert a.requests == []
+
+
+# The gateway alone, driven from the host: its timing and its limits.
+
+
+async def ask(gateway: Gateway, raw: bytes) -> bytes:
+    """Send one request to a gateway's socket, end the sending side, and
+    return everything it answers until it closes."""
+    received = b""
+    async with await trio.open_unix_socket(str(gateway.socket_path)) as stream:
+        await stream.send_all(raw)
+        await stream.send_eof()
+        while chunk := await stream.receive_some():
+            received += chunk
+    return received
+
+
+async def test_a_request_head_has_ten_seconds_from_its_first_byte(nursery, autojump_clock):
+    gateway = Gateway(GatewayHub(), "slow", check_network_policy("deny-all"))
+    await nursery.start(gateway.run)
+    async with await trio.open_unix_socket(str(gateway.socket_path)) as idle:
+        async with await trio.open_unix_socket(str(gateway.socket_path)) as slow:
+            started = trio.current_time()
+            answer = b""
+            for byte in b"GET / HTTP/1.1\r\nHost: a.example\r\n":  # a byte every 4 s: never a whole head
+                await slow.send_all(bytes([byte]))
+                with trio.move_on_after(4):
+                    while chunk := await slow.receive_some():
+                        answer += chunk
+                    break
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert CLIENT_TIMEOUT <= trio.current_time() - started < CLIENT_TIMEOUT + 4
+        # One that sent nothing yet may idle for longer: it is still open.
+        await idle.send_all(http("GET", "/", "a.example"))
+        assert (await idle.receive_some()).startswith(b"HTTP/1.1 403 ")
+
+
+async def test_one_session_holds_at_most_half_of_the_gateway_requests(nursery, upstreams):
+    a, b, a_tls = upstreams
+    a.hold = trio.Event()
+    hub = GatewayHub(max_concurrent_requests=4)
+    first, second, third = (Gateway(hub, name, check_network_policy(policy_for(a))) for name in ("1", "2", "3"))
+    for gateway in (first, second, third):
+        await nursery.start(gateway.run)
+    answers: list[bytes] = []
+
+    async def held(gateway: Gateway) -> None:
+        answers.append(await ask(gateway, http("GET", "/held", a.host)))
+
+    async with trio.open_nursery() as requests:
+        for _ in range(2):
+            requests.start_soon(held, first)
+        await a.wait_for_waiting(2)
+        # The first session has its share: it waits, the second is served.
+        refused = await ask(first, http("GET", "/third", a.host))
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"this session" in refused, refused
+        for _ in range(2):
+            requests.start_soon(held, second)
+        await a.wait_for_waiting(4)
+        # Every slot taken: a third session waits too.
+        refused = await ask(third, http("GET", "/fifth", a.host))
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"too many" in refused, refused
+        a.hold.set()
+    assert [answer.split(b" ", 2)[1] for answer in answers] == [b"200"] * 4

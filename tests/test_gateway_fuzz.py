@@ -13,7 +13,9 @@ origins that are nearly the allowed ones. Whatever they send, on the wire:
    gets each injected header once, with the policy's value;
 3. the gateway keeps serving: a well-formed request after each example
    succeeds;
-4. every answer is well-formed HTTP, or the connection ends; nothing hangs.
+4. every answer is well-formed HTTP, or the connection ends; nothing hangs;
+5. sent in pieces, each a read of its own (cut after a line or a head,
+   where clients pause, or anywhere), the same bytes get the same answers.
 
 The oracle reads each request with h11 and RFC 9110/9112 rules, not with the
 gateway's own code. The default run (500 examples, a few seconds) is for CI;
@@ -24,16 +26,18 @@ for a long one:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import h11
 import pytest
 import trio
+import trio.testing
 from conftest import http, policy_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -427,16 +431,23 @@ class FuzzedGateway:
             data = data.replace(placeholder.encode(), str(port).encode())
         return data
 
-    async def exchange(self, data: bytes) -> bytes:
+    async def exchange(self, data: bytes, cuts: Sequence[int] = ()) -> bytes:
         """Send data on a new connection, end the sending side, and return
         all the gateway answers until it closes. Sending and reading overlap,
-        as for any client that may be answered before it has sent it all."""
+        as for any client that may be answered before it has sent it all.
+        With ``cuts``, the data goes in pieces cut there, each sent only once
+        the gateway has taken everything before it and waits for more: each
+        piece is a read of its own."""
         received = bytearray()
         async with await trio.open_unix_socket(str(self.gateway.socket_path)) as stream:
 
             async def send() -> None:
                 try:
-                    await stream.send_all(data)
+                    edges = [0, *sorted(set(cuts)), len(data)]
+                    for start, end in itertools.pairwise(edges):
+                        if start:
+                            await trio.testing.wait_all_tasks_blocked()
+                        await stream.send_all(data[start:end])
                     await stream.send_eof()
                 except trio.BrokenResourceError:
                     pass  # the gateway closed first: it refused what it had read
@@ -450,22 +461,30 @@ class FuzzedGateway:
                     pass  # closed with our bytes unread: a reset, after its answer
         return bytes(received)
 
-    async def run_example(self, data: bytes) -> None:
+    async def run_example(self, data: bytes, cuts: Sequence[int] | None = None) -> None:
         """The guest's bytes on one connection, then a well-formed request on
-        another, each judged."""
+        another, each judged. With ``cuts``, the bytes go once whole and once
+        in pieces, and must get the same answers."""
         # What an earlier example left must not fail this one.
         self.errors.clear()
         self.log.clear()
-        await self.check(data)
+        answers = await self.check(data)
+        if cuts is not None:
+            in_pieces = await self.check(data, cuts)
+            assert [a.status for a in in_pieces] == [a.status for a in answers], "answered otherwise in pieces"
         still_serving = await self.check(http("GET", "/still-serving", self.a.host))
         assert [answer.status for answer in still_serving] == [200], "the gateway stopped serving"
 
-    async def check(self, data: bytes) -> list[Answer]:
-        data = self.render(data)
+    async def check(self, data: bytes, cuts: Sequence[int] = ()) -> list[Answer]:
+        rendered = self.render(data)
+        # A cut placed in the data with placeholders lands where the same
+        # bytes are in the rendered data.
+        cuts = [len(self.render(data[:cut])) for cut in cuts]
+        data = rendered
         sent, leftover = read_requests(data)
         before = {origin: len(upstream.requests) for origin, upstream in self.upstreams.items()}
         with trio.fail_after(HANG_LIMIT):
-            received = await self.exchange(data)
+            received = await self.exchange(data, cuts)
         for value in self.credentials.values():
             assert value.encode() not in received, "a credential came back to the guest"
         answers = read_answers(received, sent, leftover)
@@ -524,5 +543,27 @@ async def test_hostile_guests_cannot_misroute_leak_or_stop_the_gateway(fuzzed_ga
     @given(GUEST_BYTES)
     def gateway_holds(data: bytes) -> None:
         trio.from_thread.run(fuzzed_gateway.run_example, data)
+
+    await trio.to_thread.run_sync(gateway_holds)
+
+
+def cuts(data: bytes) -> st.SearchStrategy:
+    """Where to cut a guest's bytes into reads: anywhere, and most often
+    where a client pauses, after a line or a whole head (a body sent
+    after 100 Continue, say)."""
+    pauses = [match.end() for match in re.finditer(rb"\r\n(\r\n)?", data) if match.end() < len(data)]
+    anywhere = st.integers(1, max(1, len(data) - 1))
+    return st.lists(mostly(st.sampled_from(pauses), anywhere) if pauses else anywhere, max_size=8)
+
+
+async def test_requests_split_across_reads_are_judged_the_same(fuzzed_gateway):
+    # A client may write a request in any number of pieces (a head, then
+    # its body once 100 Continue came, or a byte at a time): the gateway
+    # must read each piece as it comes and end up where it would with the
+    # request whole.
+    @settings(database=None, deadline=None, max_examples=EXAMPLES, print_blob=True)
+    @given(GUEST_BYTES.flatmap(lambda data: st.tuples(st.just(data), cuts(data))))
+    def gateway_holds(example: tuple[bytes, list[int]]) -> None:
+        trio.from_thread.run(fuzzed_gateway.run_example, *example)
 
     await trio.to_thread.run_sync(gateway_holds)
