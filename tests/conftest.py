@@ -14,6 +14,17 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
+from egress_upstreams import (
+    GitServer,
+    NpmRegistry,
+    PackageIndex,
+    demo_packages,
+    make_repository,
+    start_git_server,
+    start_npm_registry,
+    start_package_index,
+    tool_env,
+)
 from upstream import Upstream, start_upstream
 
 import sandboxns
@@ -216,3 +227,46 @@ def http(method: str, target: str, host: str, *headers: str, body: bytes = b"") 
     if body:
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+# Real upstreams for the tools the egress proxy serves (pip, git, npm, curl):
+# each an HTTPS server on loopback with a certificate from ``ca``, and an
+# environment in which the tools trust that CA and read no host config.
+
+
+@pytest.fixture
+def ca_pem(ca, tmp_path) -> Path:
+    """The CA's certificate as a PEM file, for the tools."""
+    path = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return path
+
+
+@pytest.fixture
+def host_tool_env(tmp_path, ca_pem) -> dict[str, str]:
+    """For tools run on the host: HOME (and so pip's and npm's caches) in tmp_path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    return tool_env(home, ca_pem)
+
+
+@pytest.fixture
+async def package_index(request, nursery, ca) -> PackageIndex:
+    """demo_packages(N) on a PEP 503 index, N = 2 unless parametrized
+    indirectly (``@pytest.mark.parametrize("package_index", [20], indirect=True)``)."""
+    return await start_package_index(nursery, ca, demo_packages(getattr(request, "param", 2)))
+
+
+@pytest.fixture
+async def git_server(nursery, ca, tmp_path) -> GitServer:
+    """Serves tmp_path/git-root, which has repo.git: one commit with README.md ("hello from git.test")."""
+    root = tmp_path / "git-root"
+    root.mkdir()
+    make_repository(root, "repo.git", {"README.md": "hello from git.test\n"})
+    return await start_git_server(nursery, ca, root)
+
+
+@pytest.fixture
+async def npm_registry(request, nursery, ca) -> NpmRegistry:
+    """demo_packages(N) as npm packages, N = 2 unless parametrized indirectly."""
+    return await start_npm_registry(nursery, ca, demo_packages(getattr(request, "param", 2)))
