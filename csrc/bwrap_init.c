@@ -1,4 +1,4 @@
-/* sandboxns-holder --init REPORT_FD LIMITS -- COMMAND [ARG...]
+/* sandboxns-holder --init REPORT_FD LIMITS PROXY -- COMMAND [ARG...]
  *
  * pid 1 of a bwrap driver's command: bwrap execs this (--as-pid-1) in place
  * of its own reaper, which runs as the guest's user, without capabilities,
@@ -20,6 +20,11 @@
  * REPORT_FD in bwrap's own words ("execvp NAME: reason"), so the host tells
  * it from the command's exit status; a successful exec closes the command's
  * copy (close-on-exec), and the init closes its own at once.
+ *
+ * PROXY is "-", or PORT:FD for a command whose session has an egress
+ * gateway: the init, in the command's network namespace (bwrap makes one
+ * per command), listens there for the gateway's proxy (see net.c) and sends
+ * the listeners over FD, a socket to the host, before the command exists.
  *
  * When the command ends, so does the init, with the command's exit status
  * (128+N for signal N, as bwrap reports it); the kernel then kills whatever
@@ -82,15 +87,58 @@ static int exit_status_of(int status)
     return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
 }
 
+/* PROXY: "-", or PORT:FD. */
+static int parse_proxy(const char *text, unsigned int *port, int *fd)
+{
+    char *end;
+    unsigned long number;
+
+    *port = 0;
+    *fd = -1;
+    if (strcmp(text, "-") == 0)
+        return 0;
+    number = strtoul(text, &end, 10);
+    if (end == text || *end != ':' || number == 0 || number > 65535)
+        return -1;
+    *port = (unsigned int)number;
+    text = end + 1;
+    number = strtoul(text, &end, 10);
+    if (end == text || *end || number <= REPORT_FD_IN_INIT || number > 65535)
+        return -1;
+    *fd = (int)number;
+    return 0;
+}
+
+/* Listen for the proxy here and hand the listeners to the host. */
+static int hand_over_proxy(unsigned int port, int fd)
+{
+    struct sbx_report err;
+    int listeners[2];
+    int count = net_proxy_listen(port, listeners, &err);
+
+    if (count < 0) {
+        dprintf(REPORT_FD_IN_INIT, "%s: %s", err.step, err.message);
+        return -1;
+    }
+    if (send_with_fds(fd, "L", 1, listeners, count) < 0) {
+        dprintf(REPORT_FD_IN_INIT, "proxy: cannot hand the listeners over: %s", strerror(errno));
+        return -1;
+    }
+    for (int i = 0; i < count; i++)
+        close(listeners[i]);
+    return 0;
+}
+
 int bwrap_init_main(int argc, char **argv)
 {
     uint64_t limits[SBX_NRLIMITS];
-    int report_fd, status;
+    unsigned int proxy_port;
+    int report_fd, proxy_fd, status;
     pid_t command;
 
-    if (argc < 6 || strcmp(argv[4], "--") != 0 || parse_limits(argv[3], limits) < 0 ||
-        (report_fd = atoi(argv[2])) <= 2) {
-        fprintf(stderr, "usage: sandboxns-holder --init REPORT_FD LIMITS -- COMMAND [ARG...]\n");
+    if (argc < 7 || strcmp(argv[5], "--") != 0 || parse_limits(argv[3], limits) < 0 ||
+        parse_proxy(argv[4], &proxy_port, &proxy_fd) < 0 || (report_fd = atoi(argv[2])) <= 2) {
+        fprintf(stderr, "usage: sandboxns-holder --init REPORT_FD LIMITS PROXY -- COMMAND [ARG...]\n");
         return 127;
     }
     if (dup3(report_fd, REPORT_FD_IN_INIT, O_CLOEXEC) < 0 && report_fd != REPORT_FD_IN_INIT) {
@@ -98,6 +146,8 @@ int bwrap_init_main(int argc, char **argv)
         return 127;
     }
     fcntl(REPORT_FD_IN_INIT, F_SETFD, FD_CLOEXEC);
+    if (proxy_port && hand_over_proxy(proxy_port, proxy_fd) < 0)
+        return 127;
     if (sys_close_range(REPORT_FD_IN_INIT + 1, ~0U) < 0) {
         dprintf(REPORT_FD_IN_INIT, "close_range: %s", strerror(errno));
         return 127;
@@ -116,7 +166,7 @@ int bwrap_init_main(int argc, char **argv)
         return 127;
     }
     if (command == 0)
-        run_command(limits, argv + 5);
+        run_command(limits, argv + 6);
     /* Nothing of the command's stays open here. */
     sys_close_range(0, ~0U);
     for (;;) {

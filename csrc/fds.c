@@ -75,19 +75,29 @@ ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int f
     return len;
 }
 
-int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS])
+/* Send one message with nfds (1 to SBX_MAX_PASSED_FDS) descriptors. */
+int send_with_fds(int fd, const void *buf, size_t len, const int *fds, int nfds)
 {
-    char control[CMSG_SPACE(sizeof(int) * SBX_NFDS)];
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * SBX_MAX_PASSED_FDS)];
+        struct cmsghdr align;
+    } control = {0};
     struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
-    struct msghdr msg = {
-        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    struct msghdr msg = {.msg_iov = &iov,
+                         .msg_iovlen = 1,
+                         .msg_control = control.buf,
+                         .msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds)};
     struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
     ssize_t sent;
 
+    if (nfds < 1 || nfds > SBX_MAX_PASSED_FDS) {
+        errno = EINVAL;
+        return -1;
+    }
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * SBX_NFDS);
-    memcpy(CMSG_DATA(c), fds, sizeof(int) * SBX_NFDS);
+    c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+    memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
     do
         sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
     while (sent < 0 && errno == EINTR);

@@ -152,7 +152,8 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
         {"bind", required_argument, NULL, 'b'},      {"tmp-bytes", required_argument, NULL, 't'},
         {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
-        {"host-ids", required_argument, NULL, 'i'},  {NULL, 0, NULL, 0},
+        {"host-ids", required_argument, NULL, 'i'},  {"proxy-port", required_argument, NULL, 'p'},
+        {NULL, 0, NULL, 0},
     };
     unsigned long long number;
     int opt;
@@ -213,6 +214,11 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             if (parse_host_ids(optarg, cfg, err) < 0)
                 return -1;
             break;
+        case 'p':
+            if (parse_number(optarg, 65535, &number) < 0 || number == 0)
+                return fail(err, "arguments", EINVAL, "bad --proxy-port %s", optarg);
+            cfg->proxy_port = (unsigned int)number;
+            break;
         default:
             return fail(err, "arguments", EINVAL, "unknown argument");
         }
@@ -221,6 +227,8 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
     if (!cfg->overlay_lower != !cfg->overlay_work)
         return fail(err, "arguments", EINVAL, "--overlay-lower and --overlay-work go together");
+    if (cfg->proxy_port && cfg->share_network)
+        return fail(err, "arguments", EINVAL, "--proxy-port needs the session's own network");
     return 0;
 }
 
@@ -279,7 +287,7 @@ int main(int argc, char **argv)
     struct holder_config cfg = {0};
     struct sbx_report err;
     pid_t holder;
-    int workspace;
+    int passed[3], npassed = 1;
     pid_t host = getppid();
 
     if (argc > 1 && strcmp(argv[1], "--init") == 0)
@@ -329,19 +337,29 @@ int main(int argc, char **argv)
     }
     if (!cfg.share_network && net_loopback_up(&err) < 0)
         goto report;
+    /* passed[0] is /workspace (below), then the proxy's listeners. */
+    if (cfg.proxy_port) {
+        int listeners = net_proxy_listen(cfg.proxy_port, passed + 1, &err);
+
+        if (listeners < 0)
+            goto report;
+        npassed += listeners;
+    }
     if (userns_empty_bounding_set(&err) < 0)
         goto report;
     /* Its own setup done, the holder needs no more than it serves with:
      * forks of itself, namespaces and mounts for each command's init. */
     if (seccomp_install(&cfg.session_seccomp, &err) < 0)
         goto report;
-    workspace = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (workspace < 0) {
+    passed[0] = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (passed[0] < 0) {
         fail(&err, "workspace", errno, "cannot open /workspace: %s", strerror(errno));
         goto report;
     }
-    report_send_with_fd(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY}, workspace);
-    close(workspace);
+    report_send_with_fds(CONTROL_FD, &(struct sbx_report){.kind = SBX_REPORT_READY}, passed, npassed);
+    /* The host has its own copies; no command may inherit these. */
+    for (int i = 0; i < npassed; i++)
+        close(passed[i]);
     return holder_serve(CONTROL_FD, &cfg.commands);
 report:
     report_send(CONTROL_FD, &err);

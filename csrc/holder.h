@@ -55,6 +55,7 @@ struct holder_config {
     const char *overlay_lower; /* read-only template under the workspace, or NULL */
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
     const char *gateway_socket; /* host path of the egress gateway's socket, or NULL */
+    unsigned int proxy_port;    /* --proxy-port: listen for the gateway's proxy there, or 0 */
     const char *hostname;
     int share_network;
     struct extra_bind extra_binds[MAX_EXTRA_BINDS]; /* in order: later ones may lie inside earlier ones */
@@ -75,13 +76,13 @@ int seccomp_install(const struct seccomp_part *part, struct sbx_report *err);
 int fail(struct sbx_report *report, const char *step, int err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void report_send(int fd, const struct sbx_report *report);
-void report_send_with_fd(int fd, const struct sbx_report *report, int passed_fd);
+void report_send_with_fds(int fd, const struct sbx_report *report, const int *fds, int nfds);
 void report_exit_status(int fd, int wait_status);
 
 /* fds.c */
 int close_fds_except(const int *keep, int nkeep);
 ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int flags);
-int send_request(int fd, const char *buf, size_t len, const int fds[SBX_NFDS]);
+int send_with_fds(int fd, const void *buf, size_t len, const int *fds, int nfds);
 
 /* userns.c */
 int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err);
@@ -94,6 +95,7 @@ int rootfs_build(const struct holder_config *cfg, struct sbx_report *err);
 
 /* net.c */
 int net_loopback_up(struct sbx_report *err);
+int net_proxy_listen(unsigned int port, int fds[2], struct sbx_report *err);
 
 /* spawn.c */
 struct exec_plan {

@@ -34,23 +34,9 @@ void report_send(int fd, const struct sbx_report *report)
 /* READY carries the holder's own handle on /workspace, so host-side file I/O
  * sees exactly the tree the guest sees (with an overlay, the merged view
  * exists only inside the session's mount namespace). */
-void report_send_with_fd(int fd, const struct sbx_report *report, int passed_fd)
+void report_send_with_fds(int fd, const struct sbx_report *report, const int *fds, int nfds)
 {
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control = {0};
-    struct iovec iov = {.iov_base = (void *)report, .iov_len = sizeof *report};
-    struct msghdr msg = {
-        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
-    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
-
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cmsg), &passed_fd, sizeof(int));
-    while (sendmsg(fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR)
-        ;
+    send_with_fds(fd, report, sizeof *report, fds, nfds); /* best effort, as report_send */
 }
 
 void report_exit_status(int fd, int wait_status)

@@ -10,7 +10,10 @@
  *                    with SBX_NFDS descriptors attached by SCM_RIGHTS.
  *   holder -> host   STARTED (from the launcher, with the holder's pid as the
  *                    host sees it), then READY once setup is done, carrying
- *                    an O_PATH fd of /workspace by SCM_RIGHTS; or ERROR.
+ *                    an O_PATH fd of /workspace by SCM_RIGHTS, and with
+ *                    --proxy-port the session's proxy listeners after it
+ *                    (127.0.0.1, then [::1] where the namespace has IPv6);
+ *                    or ERROR.
  *
  * Command socket (SOCK_SEQPACKET, one per command, passed as SBX_FD_REPLY):
  *   holder/init -> host   ERROR (a setup step failed) and then EXITED, once the
@@ -61,6 +64,9 @@ struct sbx_exec_request {
     uint32_t strings_len;
     uint64_t rlimits[SBX_NRLIMITS]; /* enum sbx_rlimit_index */
 };
+
+/* The most fds one message carries: a request's, or READY's. */
+#define SBX_MAX_PASSED_FDS SBX_NFDS
 
 enum sbx_report_kind {
     SBX_REPORT_READY = 1,

@@ -92,7 +92,7 @@ static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
         goto refuse;
     init = idle;
     idle = NULL;
-    if (send_request(init->request_fd, buf, len, fds) < 0) {
+    if (send_with_fds(init->request_fd, buf, len, fds, SBX_NFDS) < 0) {
         fail(&err, "dispatch", errno, "cannot hand the command to its init");
         sys_pidfd_send_signal(init->pidfd, SIGKILL);
         goto refuse;

@@ -57,7 +57,7 @@ from typing import Self
 import trio
 
 from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
-from ._driver import Mount, OverlayUnavailable, check_mounts
+from ._driver import GatewayEndpoint, Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
@@ -748,10 +748,8 @@ class Backend:
                 self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch()
             )
             on_failure.push_async_callback(network.aclose)
-            gateway_socket = await network.prepare(policy)
-            driver = await self._start_driver(
-                session_dir, description, confinement, policy, lease, gateway_socket, new=new
-            )
+            gateway = await network.prepare(policy)
+            driver = await self._start_driver(session_dir, description, confinement, policy, lease, gateway, new=new)
             on_failure.pop_all()
         handle._driver = driver
         handle._lease = lease
@@ -767,7 +765,7 @@ class Backend:
         confinement: Confinement,
         policy: NetworkPolicy,
         lease: Lease,
-        gateway_socket: Path | None,
+        gateway: GatewayEndpoint | None,
         *,
         new: bool,
     ):
@@ -809,7 +807,7 @@ class Backend:
             workspace,
             network=policy,
             lease=lease,
-            gateway_socket=gateway_socket,
+            gateway=gateway,
             mounts=mounts,
             # The cap is the mount made before; the driver sees a directory.
             confinement=dataclasses.replace(confinement, workspace_size=None),

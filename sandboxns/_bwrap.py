@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -50,13 +51,22 @@ import trio
 from . import _ffi
 from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits
-from ._driver import GUEST_INIT, ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
+from ._driver import (
+    GUEST_INIT,
+    ExitStatus,
+    GatewayEndpoint,
+    Mount,
+    OverlayUnavailable,
+    check_mounts,
+    check_start_arguments,
+    received_fds,
+)
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._native import HOLDER_PATH
-from ._network import GUEST_SOCKET, NetworkPolicy
+from ._network import GUEST_SOCKET, PROXY_PORT, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
@@ -290,6 +300,8 @@ class BwrapProcess:
         self._stopped = False
         self._result: ExitStatus | None = None
         self.tracked: list[ProcessId | None] = [ProcessId.of(monitor.pid)]
+        # Serving the proxy in the command's network namespace, if any.
+        self.proxy: trio.CancelScope | None = None
 
     async def _read_status(self, until_init: bool = False) -> None:
         """Read bwrap's JSON status records: all of them, or until the init's
@@ -409,6 +421,8 @@ class BwrapProcess:
                     await self.send_signal(signal.SIGKILL)
                     await self._wait_gone()
             finally:
+                if self.proxy is not None:
+                    self.proxy.cancel()
                 if self._init_pidfd is not None:
                     os.close(self._init_pidfd)
                     self._init_pidfd = None
@@ -419,6 +433,14 @@ class BwrapProcess:
                     self._exec_report = -1
                 self._pipes.close()
                 self._driver._forget(self)
+
+
+async def _proxy_listeners(channel: socket.socket) -> list[socket.socket]:
+    """The listeners a command's init sends on ``channel`` (none if it
+    ended first, failing: its report says why)."""
+    with trio.socket.from_stdlib_socket(channel) as receiver:
+        _, ancillary, _, _ = await receiver.recvmsg(1, socket.CMSG_SPACE(4 * 2), socket.MSG_CMSG_CLOEXEC)
+    return [socket.socket(fileno=fd) for fd in received_fds(ancillary)]
 
 
 def _open_init(pid: int, pid_namespace: object) -> int | None:
@@ -458,7 +480,7 @@ class BwrapDriver(HostWorkspaceIO):
         gid: int = 1000,
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
-        gateway_socket: Path | None = None,
+        gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
     ) -> BwrapDriver:
@@ -514,7 +536,7 @@ class BwrapDriver(HostWorkspaceIO):
                 self._enter_fds += [self._root_host.mount_ns, self._root_host.userns]
             if self._enter:
                 self._enter = [str(HOLDER_PATH), "--enter", *self._enter, "--"]
-            self._configure(policy, gateway_socket)
+            self._configure(policy, gateway)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
             self._release()
@@ -545,8 +567,9 @@ class BwrapDriver(HostWorkspaceIO):
         if self._root_host is not None:
             self._root_host.close()
 
-    def _configure(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+    def _configure(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Write the synthesized /etc and the plan for this network."""
+        gateway_socket = None if gateway is None else gateway.socket_path
         uid, gid = self._ids
         files = _etc_files(uid, gid, policy.shares_host_network)
         for stale in set(os.listdir(self._etc)) - set(files):
@@ -573,12 +596,13 @@ class BwrapDriver(HostWorkspaceIO):
             os.chown(gateway_socket, *self._root_host.guest_ids)
             gateway_socket.parent.chmod(0o711)
         self.network = policy
+        self._gateway = gateway
 
-    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+    async def set_network(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Every command is its own bwrap, so the next one simply gets the
         new plan."""
         self._check_usable()
-        self._configure(policy, gateway_socket)
+        self._configure(policy, gateway)
 
     def _track(self) -> None:
         # Once closed, nothing runs any more and the lease is its owner's again.
@@ -628,17 +652,26 @@ class BwrapDriver(HostWorkspaceIO):
             on_failure.callback(pipes.close)
             cleanup.callback(pipes.close_child_ends)
             stdin_fd, stdout_fd, stderr_fd = pipes.child_fds
+            # Each command has a network namespace of its own: its init
+            # listens there for the gateway's proxy, and sends the listeners
+            # back on this socket pair (see csrc/bwrap_init.c).
+            proxy, proxy_fds, proxy_end = "-", (), None
+            if self._gateway is not None:
+                proxy_end, init_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                on_failure.callback(proxy_end.close)
+                cleanup.callback(init_end.close)
+                proxy, proxy_fds = f"{PROXY_PORT}:{init_end.fileno()}", (init_end.fileno(),)
             try:
                 # Popen from trio's own thread, not a worker: bwrap's
                 # --die-with-parent fires when the *thread* that started it
                 # ends, and idle worker threads end after seconds.
                 popen = subprocess.Popen(  # noqa: ASYNC220 - on purpose, see above
                     [*self._enter, self._bwrap, "--args", str(args_fd), "--json-status-fd", str(status_write), "--"]
-                    + [GUEST_INIT, "--init", str(exec_write), rlimits, "--", *argv],
+                    + [GUEST_INIT, "--init", str(exec_write), rlimits, proxy, "--", *argv],
                     stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                     stdout=stdout_fd,
                     stderr=stderr_fd,
-                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write, *self._enter_fds),
+                    pass_fds=(args_fd, status_write, seccomp_fd, exec_write, *proxy_fds, *self._enter_fds),
                     env={},
                 )
             except OSError as exc:
@@ -650,7 +683,11 @@ class BwrapDriver(HostWorkspaceIO):
         try:
             # Know the init before anyone can want to signal it.
             await process._read_status(until_init=True)
+            if proxy_end is not None:
+                process.proxy = self._gateway.serve_proxy(await _proxy_listeners(proxy_end))
         except BaseException:
+            if proxy_end is not None:
+                proxy_end.close()
             await process.aclose()
             raise
         return process

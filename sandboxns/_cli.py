@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{EXIT_TIMED_OUT} on timeout, {EXIT_SANDBOX_ERROR} if the sandbox could not be set up.",
     )
     run.add_argument("--workspace", metavar="DIR", help="host directory to mount read-write at /workspace")
-    run.add_argument("--network", choices=("deny-all", "allow-all"), help="default deny-all")
+    run.add_argument("--network", choices=("deny-all", "internet", "allow-all"), help="default deny-all")
     run.add_argument("--driver", choices=sorted(DRIVERS), help="default native")
     run.add_argument(
         "--spec",
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exec_.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     exec_.add_argument("--session", required=True, metavar="ID")
-    exec_.add_argument("--network", choices=("deny-all", "allow-all"), help="default deny-all")
+    exec_.add_argument("--network", choices=("deny-all", "internet", "allow-all"), help="default deny-all")
     exec_.add_argument("--spec", metavar="FILE", help="take the environment, network and limits from this spec")
     _command_options(exec_)
     validate = commands.add_parser(
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--files", metavar="DIR", help="snapshot this directory as the session's template")
     source.add_argument("--workspace", metavar="DIR", help="bind this host directory as /workspace")
     mcp.add_argument("--template", default="mcp", help="the template's name (with --files; default %(default)s)")
-    mcp.add_argument("--network", choices=("deny-all", "allow-all"), default="deny-all")
+    mcp.add_argument("--network", choices=("deny-all", "internet", "allow-all"), default="deny-all")
     mcp.add_argument("--driver", choices=sorted(DRIVERS), default="native")
     return parser
 

@@ -8,12 +8,16 @@ top of it, so every driver gets them identically.
 
 from __future__ import annotations
 
+import array
 import os
 import posixpath
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+import trio
 
 from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._errors import ErrorCode, SandboxError, invalid_argument
@@ -107,6 +111,29 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
     return tuple(checked)
 
 
+class GatewayEndpoint(Protocol):
+    """What a driver connects a gateway session to (a
+    :class:`~sandboxns._gateway.Gateway`): its Unix socket, bound into the
+    guest at /run/sandboxns-network.sock, and the server of the session's
+    proxy port, to which the driver hands the listening sockets a sandbox
+    process made in the guest's network namespace."""
+
+    socket_path: Path
+
+    def serve_proxy(self, listeners: list[socket.socket]) -> trio.CancelScope:
+        """Serve the listeners until the returned scope is cancelled."""
+        ...
+
+
+def received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds an SCM_RIGHTS message carried (recvmsg's ancillary data)."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
 @dataclass(frozen=True)
 class ExitStatus:
     """How a command ended: ``exit_code`` if it exited, ``signal`` if a
@@ -183,10 +210,11 @@ class SandboxDriver(Protocol):
         the driver is closed."""
         ...
 
-    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
-        """Apply a network policy while no command runs. ``gateway_socket``
-        is the host path of the egress gateway's socket for an allow-list
-        policy, to appear in the guest at /run/sandboxns-network.sock."""
+    async def set_network(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
+        """Apply a network policy while no command runs. ``gateway`` is the
+        session's egress gateway for a policy that has one: its socket
+        appears in the guest at /run/sandboxns-network.sock, and its proxy
+        at 127.0.0.1:PROXY_PORT (and [::1]) in the guest's own network."""
         ...
 
     async def aclose(self) -> None:

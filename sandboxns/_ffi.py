@@ -18,6 +18,7 @@ MAX_REQUEST_STRINGS: int = lib.SBX_MAX_REQUEST_STRINGS
 TMP_BYTES: int = lib.SBX_TMP_BYTES
 SHM_BYTES: int = lib.SBX_SHM_BYTES
 REPORT_SIZE: int = ffi.sizeof("struct sbx_report")
+MAX_PASSED_FDS: int = lib.SBX_MAX_PASSED_FDS
 FD_ORDER = ("reply", "stdin", "stdout", "stderr")
 assert len(FD_ORDER) == lib.SBX_NFDS
 

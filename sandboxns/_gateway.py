@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
-import re
 import shutil
+import socket
 import ssl
 import tempfile
 import time
@@ -48,6 +49,16 @@ import h11
 import trio
 
 from ._network import CREDENTIAL_HEADERS, DEFAULT_PORTS, AllowedOrigin, NetworkPolicy, Origin, canonical_host
+from ._routing import (
+    Refusal,
+    is_address,
+    names_itself,
+    refusal_to_connect,
+    route_request,
+    route_tunnel,
+    split_authority,
+)
+from ._tunnel import NotTLS, client_hello_server_name, relay
 
 MAX_CONCURRENT_REQUESTS = 16
 MAX_BODY_BYTES = 1024 * 1024
@@ -86,10 +97,8 @@ LINGER_TIMEOUT = 2.0
 LINGER_BYTES = 4 * MAX_BODY_BYTES
 # How long an upstream's resolved address is reused.
 ADDRESS_TTL = 30.0
-
-# The characters of an RFC 3986 host (a name, an IPv4 address or a bracketed
-# IPv6 one) and port.
-_HOST_HEADER = re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=\[\]:]+")
+# A CONNECT tunnel ends when nothing has moved either way for this long.
+TUNNEL_IDLE_TIMEOUT = 60.0
 
 logger = logging.getLogger("sandboxns.gateway")
 
@@ -136,23 +145,40 @@ class GatewayHub:
         # (host, port) -> (address that answered, until when to trust it)
         self._addresses: dict[tuple[str, int], tuple[str, float]] = {}
 
-    async def connect(self, origin: Origin) -> trio.SocketStream:
-        """A TCP connection to an origin. The address that answered last
-        time is tried first, as a number, so most requests skip the
-        resolver (a worker-thread round trip) and happy eyeballs."""
+    async def connect(self, origin: Origin, named: bool) -> trio.SocketStream:
+        """A TCP connection to an origin, at an address it may reach (see
+        _routing.refusal_to_connect; ``named``: the policy names the host
+        itself). The address that answered last time is tried first, so
+        most requests skip the resolver (a worker-thread round trip); every
+        address is judged as it is connected to, cached or not."""
         key = (origin.host, origin.port)
         known = self._addresses.get(key)
         if known is not None and known[1] > time.monotonic():
-            try:
-                return await trio.open_tcp_stream(known[0], origin.port)
-            except OSError:
-                self._addresses.pop(key, None)
+            if refusal_to_connect(origin, ipaddress.ip_address(known[0]), named) is None:
+                try:
+                    return await trio.open_tcp_stream(known[0], origin.port)
+                except OSError:
+                    pass
+            self._addresses.pop(key, None)
         try:
-            stream = await trio.open_tcp_stream(origin.host, origin.port)
+            found = await trio.socket.getaddrinfo(origin.host, origin.port, type=trio.socket.SOCK_STREAM)
         except OSError as exc:
-            raise Refusal(502, f"cannot connect to {origin}: {exc.strerror or exc}") from None
-        self._addresses[key] = (stream.socket.getpeername()[0], time.monotonic() + ADDRESS_TTL)
-        return stream
+            raise Refusal(502, f"cannot resolve {origin.host}: {exc.strerror or exc}") from None
+        addresses = list(dict.fromkeys(info[4][0] for info in found))
+        refusals = [refusal_to_connect(origin, ipaddress.ip_address(address), named) for address in addresses]
+        reachable = [address for address, refusal in zip(addresses, refusals, strict=True) if refusal is None]
+        if not reachable:
+            raise Refusal(403, next(refusal for refusal in refusals if refusal))
+        failure: OSError | None = None
+        for address in reachable:
+            try:
+                stream = await trio.open_tcp_stream(address, origin.port)
+            except OSError as exc:
+                failure = exc
+                continue
+            self._addresses[key] = (address, time.monotonic() + ADDRESS_TTL)
+            return stream
+        raise Refusal(502, f"cannot connect to {origin}: {failure.strerror or failure}") from None
 
     def report_error(self, exc: BaseException) -> None:
         if self.on_error is None:
@@ -205,16 +231,6 @@ class GatewayHub:
             send.close()
 
 
-class Refusal(Exception):
-    """A request the gateway answers itself."""
-
-    def __init__(self, status: int, reason: str, close: bool = False) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.close = close
-
-
 def check_raw_head(head: bytes) -> None:
     """What h11 tolerates but a gateway must not: a request head is CRLF
     lines of visible text, with no continuation lines and one unambiguous
@@ -235,61 +251,6 @@ def check_raw_head(head: bytes) -> None:
         raise Refusal(400, "more than one Content-Length", close=True)
     if b"content-length" in names and b"transfer-encoding" in names:
         raise Refusal(400, "both Content-Length and Transfer-Encoding", close=True)
-
-
-def _split_host(value: str) -> tuple[str, int | None]:
-    # A Host header is host[:port] and nothing more. urlsplit would read
-    # more leniently: it drops a query or fragment after the port
-    # ("api.example:443#@evil") and tabs or newlines anywhere ("a\tpi.example").
-    if not _HOST_HEADER.fullmatch(value):
-        raise Refusal(400, "malformed Host header")
-    try:
-        parts = urlsplit(f"//{value}")
-        port = parts.port
-    except ValueError:
-        raise Refusal(400, "malformed Host header") from None
-    if not parts.hostname:
-        raise Refusal(400, "malformed Host header")
-    return canonical_host(parts.hostname), port
-
-
-def match_origin(policy: NetworkPolicy, host_header: str, target: str) -> tuple[AllowedOrigin, str]:
-    """The one allowed origin a request is for, and the origin-form target
-    to send upstream. Raises Refusal(403) unless there is exactly one."""
-    host, port = _split_host(host_header)
-    if target.startswith("/"):
-        path = target
-        candidates = [
-            allowed
-            for allowed in policy.allowed
-            if allowed.origin.host == host
-            and allowed.origin.port == (port if port is not None else DEFAULT_PORTS[allowed.origin.scheme])
-        ]
-    else:
-        try:
-            parts = urlsplit(target)
-            target_port = parts.port
-        except ValueError:
-            raise Refusal(400, "malformed request target", close=True) from None
-        if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.username is not None:
-            raise Refusal(400, "the request target must be a path or an http(s) URL", close=True)
-        origin = Origin(
-            parts.scheme,
-            canonical_host(parts.hostname),
-            target_port if target_port is not None else DEFAULT_PORTS[parts.scheme],
-        )
-        if (origin.host, origin.port) != (host, port if port is not None else DEFAULT_PORTS[parts.scheme]):
-            raise Refusal(403, "the request URL names another origin than the Host header")
-        # What follows the origin, as sent: urlsplit's parts would lose an
-        # empty query ("/x?" is not "/x"). A fragment is never sent.
-        path = target[len(f"{parts.scheme}://{parts.netloc}") :].partition("#")[0]
-        path = path if path.startswith("/") else "/" + path
-        candidates = [allowed for allowed in policy.allowed if allowed.origin == origin]
-    if not candidates:
-        raise Refusal(403, f"{host_header} is not an allowed origin")
-    if len(candidates) > 1:
-        raise Refusal(403, f"{host_header} matches several allowed origins; give the port or an absolute URL")
-    return candidates[0], path
 
 
 def upstream_headers(allowed: AllowedOrigin, request: h11.Request) -> list[tuple[bytes, bytes]]:
@@ -370,25 +331,50 @@ class Gateway:
                     await listener.bind(str(self.socket_path))
                     os.chmod(self.socket_path, 0o600)
                     listener.listen(64)
-                    task_status.started()
                     async with trio.open_nursery() as nursery:
-                        while True:
-                            try:
-                                connection, _ = await listener.accept()
-                            except OSError as exc:
-                                if exc.errno not in _ACCEPT_TRANSIENT:
-                                    raise
-                                # Out of fds or memory: wait rather than die.
-                                await trio.sleep(ACCEPT_BACKOFF)
-                                continue
-                            if self._connections >= MAX_CONNECTIONS:
-                                connection.close()  # the guest sees the connection end at once
-                                continue
-                            self._connections += 1
-                            nursery.start_soon(self._serve, trio.SocketStream(connection))
+                        self._nursery = nursery
+                        task_status.started()
+                        await self._accept(listener)
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._done.set()
+
+    async def _accept(self, listener: trio.socket.SocketType) -> None:
+        """Serve every connection the listener gets, up to MAX_CONNECTIONS
+        of this session's at once (the socket's and the proxy's together)."""
+        while True:
+            try:
+                connection, _ = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_TRANSIENT:
+                    raise
+                # Out of fds or memory: wait rather than die.
+                await trio.sleep(ACCEPT_BACKOFF)
+                continue
+            if self._connections >= MAX_CONNECTIONS:
+                connection.close()  # the guest sees the connection end at once
+                continue
+            self._connections += 1
+            self._nursery.start_soon(self._serve, trio.SocketStream(connection))
+
+    def serve_proxy(self, listeners: list[socket.socket]) -> trio.CancelScope:
+        """Serve the session's proxy port: listening TCP sockets a sandbox
+        process made in the session's network namespace and handed over
+        (see csrc/net.c). They take the same requests as the Unix socket.
+        Returns the scope that stops serving them; they are closed then."""
+        scope = trio.CancelScope()
+        sockets = [trio.socket.from_stdlib_socket(listener) for listener in listeners]
+
+        async def accept() -> None:
+            with contextlib.ExitStack() as stack, scope:
+                for listener in sockets:
+                    stack.enter_context(listener)
+                async with trio.open_nursery() as nursery:
+                    for listener in sockets:
+                        nursery.start_soon(self._accept, listener)
+
+        self._nursery.start_soon(accept)
+        return scope
 
     async def aclose(self) -> None:
         self._cancel.cancel()
@@ -488,14 +474,21 @@ class Gateway:
             close = _wants_close(request)
             host = [value for name, value in request.headers if name == b"host"]
             requested = _requested(target, host)
-            if request.method.upper() in (b"CONNECT", b"TRACE"):
+            if request.method.upper() == b"CONNECT":
+                # After it, the connection is the tunnel's, refused or not.
+                close, path = True, ""
+                route = route_tunnel(self.policy, target)
+                origin_text = str(route.origin)
+                await self._tunnel(stream, route, rest, started, requested)
+                return False, b""
+            if request.method.upper() == b"TRACE":
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
             if any(name == b"upgrade" for name, _ in request.headers):
                 raise Refusal(400, "protocol upgrades are not allowed through the gateway", close=True)
             if len(host) != 1:
                 raise Refusal(400, "the request needs exactly one Host header", close=True)
             try:
-                allowed, upstream_target = match_origin(self.policy, host[0].decode("ascii", "replace"), target)
+                allowed, upstream_target = route_request(self.policy, host[0].decode("ascii", "replace"), target)
             except Refusal as refusal:
                 # Refused before its body is read, so a refused request
                 # never buffers one; with a body to skip, the connection ends.
@@ -540,6 +533,53 @@ class Gateway:
             await self._send(stream, _plain_response(502, "internal gateway error", close=True, head=method == "HEAD"))
             self._audit(method, origin_text, requested, path, 502, bytes_in, 0, started, "internal gateway error")
             return False, b""
+
+    async def _tunnel(
+        self, stream: trio.SocketStream, route: AllowedOrigin, early: bytes, started: float, requested: str
+    ) -> None:
+        """A CONNECT the policy allows: connect, say so, and relay. A tunnel
+        to an https origin (and every one under "internet") must carry TLS
+        whose ClientHello names the host the CONNECT named."""
+        origin = route.origin
+        if route.injects_credentials:
+            # Credentials go only into requests the gateway itself reads.
+            raise Refusal(
+                403, f"{origin} gets credentials from the policy: send its requests through the proxy as plain HTTP"
+            )
+        upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
+        async with upstream:
+            await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            reason = ""
+            if origin.scheme == "https":
+                early, reason = await self._check_client_hello(stream, origin, early)
+            sent = received = 0
+            if not reason:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await upstream.send_all(early)
+                    sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
+                sent += len(early)
+            status = 403 if reason else 200
+            self._audit("CONNECT", str(origin), requested, "", status, sent, received, started, reason)
+
+    async def _check_client_hello(self, stream: trio.SocketStream, origin: Origin, data: bytes) -> tuple[bytes, str]:
+        """Read the guest's ClientHello; returns what was read and why the
+        tunnel must end ("" if it may go on)."""
+        with trio.move_on_after(CLIENT_TIMEOUT):
+            while True:
+                try:
+                    whole, name = client_hello_server_name(data)
+                except NotTLS as exc:
+                    return data, f"the tunnel to {origin} does not start with TLS: {exc}"
+                if whole:
+                    break
+                chunk = await stream.receive_some(_READ)
+                if not chunk:
+                    return data, "the guest closed the tunnel before its TLS ClientHello"
+                data += chunk
+            if name == origin.host or (name is None and is_address(origin.host)):
+                return data, ""
+            return data, f"the TLS ClientHello names {name!r}, not {origin.host} (the CONNECT's host)"
+        return data, f"no TLS ClientHello within {CLIENT_TIMEOUT:g}s"
 
     @contextlib.contextmanager
     def _request_slot(self) -> Iterator[None]:
@@ -598,7 +638,7 @@ class Gateway:
         self, allowed: AllowedOrigin, request: h11.Request, target: str, body: bytes
     ) -> UpstreamResponse:
         origin = allowed.origin
-        stream: trio.abc.Stream = await self._hub.connect(origin)
+        stream: trio.abc.Stream = await self._hub.connect(origin, names_itself(self.policy, origin))
         try:
             if origin.scheme == "https":
                 stream = trio.SSLStream(
@@ -691,7 +731,7 @@ def _requested(target: str, host_headers: list[bytes]) -> str:
     if len(host_headers) != 1:
         return _printable(b",".join(host_headers))
     try:
-        host, port = _split_host(host_headers[0].decode("ascii", "replace"))
+        host, port = split_authority(host_headers[0].decode("ascii", "replace"))
     except Refusal:
         return _printable(host_headers[0])
     return host if port is None else f"{host}:{port}"
@@ -762,9 +802,9 @@ class SessionNetwork:
         self._on_request = on_request
         self.gateway: Gateway | None = None
 
-    async def prepare(self, policy: NetworkPolicy) -> Path | None:
-        """Make the gateway ready for ``policy``; returns the socket to bind
-        into the guest, or None when the policy needs no gateway."""
+    async def prepare(self, policy: NetworkPolicy) -> Gateway | None:
+        """Make the gateway ready for ``policy``; returns it, for the driver
+        to bind into the guest, or None when the policy needs no gateway."""
         if not policy.needs_gateway:
             return None
         if self.gateway is None:
@@ -773,14 +813,14 @@ class SessionNetwork:
             self.gateway = gateway
         else:
             self.gateway.update(policy)
-        return self.gateway.socket_path
+        return self.gateway
 
     async def apply(self, driver, policy: NetworkPolicy) -> None:
         """Change a session's policy: gateway first (so the driver can bind
         its socket), then the driver, then drop a gateway no longer needed."""
-        socket_path = await self.prepare(policy)
-        await driver.set_network(policy, socket_path)
-        if socket_path is None:
+        gateway = await self.prepare(policy)
+        await driver.set_network(policy, gateway)
+        if gateway is None:
             await self.aclose()
 
     async def aclose(self) -> None:

@@ -23,12 +23,20 @@ import trio
 from . import _ffi
 from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits
-from ._driver import ExitStatus, Mount, OverlayUnavailable, check_mounts, check_start_arguments
+from ._driver import (
+    ExitStatus,
+    GatewayEndpoint,
+    Mount,
+    OverlayUnavailable,
+    check_mounts,
+    check_start_arguments,
+    received_fds,
+)
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
-from ._network import NetworkPolicy
+from ._network import PROXY_PORT, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 from ._session import MAX_COMMAND_BYTES
 
@@ -50,14 +58,6 @@ def _error_from_report(report: _ffi.Report, what: str) -> SandboxError:
     if report.step in ("execve", "chdir") and report.errno in (errno.EACCES, errno.ENOEXEC):
         return SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, detail)
     return SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, detail)
-
-
-def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)
 
 
 def _seqpacket_pair() -> tuple[socket.socket, socket.socket]:
@@ -156,7 +156,7 @@ class NativeDriver(HostWorkspaceIO):
         gid: int = 1000,
         overlay: tuple[Path, Path] | None = None,
         lease: Lease | None = None,
-        gateway_socket: Path | None = None,
+        gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
     ) -> NativeDriver:
@@ -166,8 +166,9 @@ class NativeDriver(HostWorkspaceIO):
         read-only ``template``; ``scratch`` is overlayfs's work directory.
         ``lease``, a held session lease, is shared with the holder's
         launcher, so it stays locked until every process of the session is
-        gone, even if this process dies first. ``gateway_socket``, for an
-        allow-list policy, is bound at /run/sandboxns-network.sock.
+        gone, even if this process dies first. ``gateway`` is the session's
+        egress gateway for a policy that has one (see
+        :meth:`set_network`).
         ``mounts`` are extra host paths to bind (see :class:`Mount`);
         ``confinement`` the session's kernel bounds (see :class:`Confinement`)."""
         workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
@@ -207,8 +208,9 @@ class NativeDriver(HostWorkspaceIO):
         self._holder_lock = trio.Lock()
         self._cgroup = None if self.confinement.cgroup is None else SessionCgroup.create(self.confinement.cgroup)
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._proxy: trio.CancelScope | None = None
         try:
-            await self._launch(policy, gateway_socket)
+            await self._launch(policy, gateway)
         except BaseException:
             self._release()
             raise
@@ -220,13 +222,13 @@ class NativeDriver(HostWorkspaceIO):
         if self._cgroup is not None:
             self._cgroup.close()
 
-    async def _launch(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+    async def _launch(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Start a holder for this session's workspace with this network."""
         argv = list(self._base_argv)
         if policy.shares_host_network:
             argv.append("--share-network")
-        if gateway_socket is not None:
-            argv.append(f"--gateway-socket={gateway_socket}")
+        if gateway is not None:
+            argv += [f"--gateway-socket={gateway.socket_path}", f"--proxy-port={PROXY_PORT}"]
         self.holder_pid = None
         with contextlib.ExitStack() as cleanup:
             host_end, holder_end = _seqpacket_pair()
@@ -248,14 +250,19 @@ class NativeDriver(HostWorkspaceIO):
             self._pidfd = os.pidfd_open(self._pid)
             cleanup.callback(self._reap_holder_now)
             self._control = trio.socket.from_stdlib_socket(host_end)
-            workspace_fd = await self._await_ready()
+            workspace_fd, listeners = await self._await_ready()
             cleanup.callback(os.close, workspace_fd)
+            for listener in listeners:
+                cleanup.callback(listener.close)
             if self._lease is not None:
                 self._lease.track(ProcessId.of(pid) for pid in (self._pid, self.holder_pid))
             cleanup.pop_all()
         self._files = WorkspaceFiles(workspace_fd)
         self.network = policy
-        self._gateway_socket = gateway_socket
+        self._gateway = gateway
+        # The holder's network namespace lives as long as the holder: so
+        # does the serving of the proxy's listeners in it.
+        self._proxy = None if gateway is None else gateway.serve_proxy(listeners)
 
     async def _stop_holder(self) -> None:
         """Close the control socket and wait for the holder, and with it
@@ -265,20 +272,22 @@ class NativeDriver(HostWorkspaceIO):
         # before the launcher we track exits. So once the pidfd is readable,
         # nothing of the session is left.
         with trio.CancelScope(shield=True):
+            if self._proxy is not None:
+                self._proxy.cancel()
             self._control.close()
             await self._close_files()
             with trio.move_on_after(HOLDER_EXIT_GRACE):
                 await trio.lowlevel.wait_readable(self._pidfd)
             self._reap_holder_now()
 
-    async def set_network(self, policy: NetworkPolicy, gateway_socket: Path | None) -> None:
+    async def set_network(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Apply a new network policy; no command may be running. Namespaces
         cannot be swapped under a live holder, so a change of network
-        namespace or gateway socket starts a new holder (about as costly as
+        namespace or gateway starts a new holder (about as costly as
         a session start); a new allow-list for the same gateway costs
         nothing here."""
         self._check_usable()
-        if (policy.shares_host_network, gateway_socket) == (self.network.shares_host_network, self._gateway_socket):
+        if policy.shares_host_network == self.network.shares_host_network and gateway is self._gateway:
             self.network = policy
             return
         # aclose() waits for this: both would wait on the holder's pidfd.
@@ -286,7 +295,7 @@ class NativeDriver(HostWorkspaceIO):
             self._check_usable()
             await self._stop_holder()
             try:
-                await self._launch(policy, gateway_socket)
+                await self._launch(policy, gateway)
             except BaseException:
                 self._closed = True
                 self._release()
@@ -315,25 +324,28 @@ class NativeDriver(HostWorkspaceIO):
         os.waitpid(self._pid, 0)
         os.close(self._pidfd)
 
-    async def _await_ready(self) -> int:
+    async def _await_ready(self) -> tuple[int, list[socket.socket]]:
         """Wait for READY and STARTED (in either order: the launcher and the
         holder send them independently); returns the workspace fd READY
-        carries."""
+        carries, and the proxy's listeners after it, if any."""
         workspace_fd = None
+        listeners: list[socket.socket] = []
         try:
             with trio.move_on_after(HOLDER_READY_TIMEOUT):
                 while workspace_fd is None or self.holder_pid is None:
                     data, ancillary, _, _ = await self._control.recvmsg(
-                        _ffi.REPORT_SIZE, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+                        _ffi.REPORT_SIZE, socket.CMSG_SPACE(4 * _ffi.MAX_PASSED_FDS), socket.MSG_CMSG_CLOEXEC
                     )
-                    fds = _received_fds(ancillary)
+                    fds = received_fds(ancillary)
                     if not data:
                         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder exited during setup")
                     report = _ffi.decode_report(data)
                     if report.kind == _ffi.REPORT_STARTED:
                         self.holder_pid = report.pid
-                    elif report.kind == _ffi.REPORT_READY and len(fds) == 1:
-                        workspace_fd = fds.pop()
+                    elif report.kind == _ffi.REPORT_READY and fds:
+                        workspace_fd = fds.pop(0)
+                        listeners = [socket.socket(fileno=fd) for fd in fds]
+                        fds = []
                     elif report.kind == _ffi.REPORT_READY:
                         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the holder sent no workspace handle")
                     elif report.step == "overlay":
@@ -342,11 +354,13 @@ class NativeDriver(HostWorkspaceIO):
                         raise _error_from_report(report, "setting up the sandbox")
                     for fd in fds:  # anything unexpected
                         os.close(fd)
-                return workspace_fd
+                return workspace_fd, listeners
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the sandbox holder did not become ready")
         except BaseException:
             if workspace_fd is not None:
                 os.close(workspace_fd)
+            for listener in listeners:
+                listener.close()
             raise
 
     async def spawn(

@@ -4,8 +4,11 @@
 * ``"allow-all"``: the host's network, shared.
 * ``{"allow": [{"origin": "https://api.example.com", "headers": {...}}]}``:
   still an isolated namespace; the only way out is HTTP through the egress
-  gateway (see _gateway.py), to exactly these origins, with these headers
+  gateway (see _gateway.py), to exactly these origins (or, for
+  ``https://*.example.com``, any subdomain of the name), with these headers
   injected.
+* ``"internet"``: the isolated namespace and the gateway, to every origin
+  whose addresses are public; never the host's loopback or private ranges.
 
 A policy object never shows its header values: not in ``repr``, not in an
 error message. They are credentials, and they live only in host memory.
@@ -21,8 +24,26 @@ from urllib.parse import urlsplit
 
 from ._errors import invalid_argument
 
-PolicyKind = Literal["deny-all", "allow-all", "allow"]
+PolicyKind = Literal["deny-all", "allow-all", "allow", "internet"]
 GUEST_SOCKET = "/run/sandboxns-network.sock"
+# Where a gateway session's proxy listens in its own network namespace
+# (127.0.0.1 and [::1]); its commands' proxy variables name it.
+PROXY_PORT = 3128
+PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
+# What every command of a gateway session gets, unless its own environment
+# says otherwise: the variables HTTP clients read for a proxy (curl, pip,
+# git, Python, Node's and Go's libraries; npm has its own), and the guest's
+# own loopback kept off it.
+_LOCAL = "localhost,127.0.0.1,::1"
+PROXY_ENVIRONMENT = {
+    **{
+        name: PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+    },
+    "NO_PROXY": _LOCAL,
+    "no_proxy": _LOCAL,
+    "npm_config_proxy": PROXY_URL,
+    "npm_config_https_proxy": PROXY_URL,
+}
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 9110 token characters.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -37,11 +58,23 @@ CREDENTIAL_HEADERS = frozenset({"cookie", "authorization", "proxy-authorization"
 @dataclass(frozen=True)
 class Origin:
     """A canonical HTTP(S) origin: scheme, lower-case host without a
-    trailing dot, effective port."""
+    trailing dot, effective port. A host ``*.example.com`` is a pattern:
+    any name below example.com (at any depth), never example.com itself."""
 
     scheme: str
     host: str
     port: int
+
+    @property
+    def is_pattern(self) -> bool:
+        return self.host.startswith("*.")
+
+    def names(self, host: str) -> bool:
+        """Whether ``host`` (canonical) is this origin's host or one its
+        pattern covers."""
+        if self.is_pattern:
+            return host.endswith(self.host[1:]) and len(host) > len(self.host) - 1
+        return host == self.host
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -79,8 +112,14 @@ def parse_origin(text: object, what: str = "origin") -> Origin:
     if parts.path not in ("", "/") or parts.query or parts.fragment or text.endswith(("?", "#")):
         raise invalid_argument(f"{what} {text!r} must not have a path, query or fragment")
     host = parts.hostname or ""
-    if not host or "*" in host or not re.fullmatch(r"[A-Za-z0-9.\-:_]+", host) or host.startswith("."):
-        raise invalid_argument(f"{what} {text!r} must name one host (no wildcards)")
+    pattern = host.startswith("*.")
+    name = host.removeprefix("*.")
+    if not name or "*" in name or not re.fullmatch(r"[A-Za-z0-9.\-:_]+", name) or name.startswith("."):
+        raise invalid_argument(
+            f"{what} {text!r} must name one host, or all names below one as *.example.com (a leading '*.' only)"
+        )
+    if pattern and (":" in name or re.fullmatch(r"[0-9.]+", name)):
+        raise invalid_argument(f"{what} {text!r}: a pattern covers names below a domain, not addresses")
     if port == 0:
         raise invalid_argument(f"{what} {text!r} has an invalid port")
     return Origin(parts.scheme, canonical_host(host), port if port is not None else DEFAULT_PORTS[parts.scheme])
@@ -113,7 +152,7 @@ class NetworkPolicy:
 
     @property
     def needs_gateway(self) -> bool:
-        return self.kind == "allow"
+        return self.kind in ("allow", "internet")
 
     def __repr__(self) -> str:
         if self.kind != "allow":
@@ -171,10 +210,12 @@ def check_network_policy(policy: object) -> NetworkPolicy:
         return policy
     if policy == "deny-all":
         return DENY_ALL
-    if policy == "allow-all":
-        return NetworkPolicy("allow-all")
+    if policy in ("allow-all", "internet"):
+        return NetworkPolicy(policy)
     if not isinstance(policy, Mapping):
-        raise invalid_argument(f"network policy must be 'deny-all', 'allow-all' or {{'allow': [...]}}, not {policy!r}")
+        raise invalid_argument(
+            f"network policy must be 'deny-all', 'allow-all', 'internet' or {{'allow': [...]}}, not {policy!r}"
+        )
     unknown = set(policy) - {"allow"}
     if unknown:
         raise invalid_argument(f"network policy has unknown keys {sorted(map(str, unknown))}; only 'allow' is known")

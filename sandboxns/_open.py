@@ -54,9 +54,9 @@ async def open_sandbox(
     async with service_nursery() as nursery:
         network_of_session = SessionNetwork(hub, nursery, f"sandbox-{secrets.token_hex(4)}")
         try:
-            gateway_socket = await network_of_session.prepare(policy)
+            gateway = await network_of_session.prepare(policy)
             sandbox_driver = await driver_type.start(
-                workspace, network=policy, uid=uid, gid=gid, gateway_socket=gateway_socket, confinement=confinement
+                workspace, network=policy, uid=uid, gid=gid, gateway=gateway, confinement=confinement
             )
             try:
                 yield create_sandbox_session(sandbox_driver, network=network_of_session)

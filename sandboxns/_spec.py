@@ -659,11 +659,12 @@ def _check_confinement(c: _Checker, limits: Mapping[str, Any], seccomp: Mapping[
 
 
 def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
-    if egress in ("deny-all", "allow-all"):
+    if egress in ("deny-all", "internet", "allow-all"):
         return egress
     if not isinstance(egress, list):
         c.problem(
-            "network.egress", f"must be 'deny-all', 'allow-all' or a list of allowed origins, not {_short(egress)}"
+            "network.egress",
+            f"must be 'deny-all', 'internet', 'allow-all' or a list of allowed origins, not {_short(egress)}",
         )
         return "deny-all"
     entries = []

@@ -383,7 +383,11 @@ for attempt in (
     [
         {"allow": [{"origin": "https://a.example/path"}]},
         {"allow": [{"origin": "https://user@a.example"}]},
-        {"allow": [{"origin": "https://*.example"}]},
+        {"allow": [{"origin": "https://a.*.example"}]},
+        {"allow": [{"origin": "https://*example.com"}]},
+        {"allow": [{"origin": "https://*.*.example.com"}]},
+        {"allow": [{"origin": "https://*.10.0.0.1"}]},
+        {"allow": [{"origin": "https://*"}]},
         {"allow": [{"origin": "ftp://a.example"}]},
         {"allow": [{"origin": "https://a.example"}, {"origin": "https://A.example:443"}]},
         {"allow": [{"origin": "https://a.example", "headers": {"Host": "x"}}]},
@@ -402,64 +406,6 @@ async def test_bad_policies_are_refused(session, policy):
     assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
     assert "a\r\nb" not in error.value.message
     assert session.network.kind == "deny-all"  # nothing changed
-
-
-def test_matching_normalises_origins():
-    from sandboxns._gateway import Refusal, match_origin
-    from sandboxns._network import check_network_policy
-
-    policy = check_network_policy(
-        {"allow": [{"origin": "https://api.example.com"}, {"origin": "http://api.example.com:8080"}]}
-    )
-    for host, target in (
-        ("api.example.com", "/v1"),
-        ("API.Example.COM.", "/v1"),
-        ("api.example.com:443", "/v1"),
-        ("api.example.com", "https://api.example.com:443/v1"),
-    ):
-        allowed, path = match_origin(policy, host, target)
-        assert (str(allowed.origin), path) == ("https://api.example.com", "/v1")
-    assert str(match_origin(policy, "api.example.com:8080", "/")[0].origin) == "http://api.example.com:8080"
-    for host, target in (
-        ("api.example.com:80", "/"),
-        ("other.example.com", "/"),
-        ("api.example.com", "http://api.example.com/"),
-    ):
-        with pytest.raises(Refusal):
-            match_origin(policy, host, target)
-
-
-def test_a_host_header_is_a_host_and_port_and_nothing_more():
-    from sandboxns._gateway import Refusal, match_origin
-    from sandboxns._network import check_network_policy
-
-    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
-    for host in (
-        "api.example.com#",
-        "api.example.com:443?@evil.example",
-        "api.example.com#@evil.example",
-        "user@api.example.com",
-        "api.example.com/v1",
-        "api.exa\tmple.com",
-        "api.example.com:4\t43",
-    ):
-        with pytest.raises(Refusal) as refusal:
-            match_origin(policy, host, "/")
-        assert refusal.value.status == 400, host
-
-
-def test_a_url_target_reaches_the_upstream_as_sent():
-    from sandboxns._gateway import match_origin
-    from sandboxns._network import check_network_policy
-
-    policy = check_network_policy({"allow": [{"origin": "https://api.example.com"}]})
-    for target, upstream_target in (
-        ("https://api.example.com/v1?", "/v1?"),
-        ("https://api.example.com?", "/?"),
-        ("https://api.example.com/v1?a=b#fragment", "/v1?a=b"),
-        ("https://api.example.com", "/"),
-    ):
-        assert match_origin(policy, "api.example.com", target)[1] == upstream_target
 
 
 def test_policy_repr_hides_header_values():
