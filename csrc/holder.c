@@ -149,7 +149,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"uid", required_argument, NULL, 'u'},       {"gid", required_argument, NULL, 'g'},
         {"workspace", required_argument, NULL, 'w'}, {"hostname", required_argument, NULL, 'h'},
         {"share-network", no_argument, NULL, 'n'},   {"overlay-lower", required_argument, NULL, 'l'},
-        {"overlay-work", required_argument, NULL, 'o'}, {"gateway-socket", required_argument, NULL, 's'},
+        {"overlay-work", required_argument, NULL, 'o'}, {"gateway-dir", required_argument, NULL, 's'},
         {"bind", required_argument, NULL, 'b'},      {"tmp-bytes", required_argument, NULL, 't'},
         {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
         {"host-ids", required_argument, NULL, 'i'},  {"proxy-port", required_argument, NULL, 'p'},
@@ -190,7 +190,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             cfg->overlay_work = optarg;
             break;
         case 's':
-            cfg->gateway_socket = optarg;
+            cfg->gateway_dir = optarg;
             break;
         case 'b':
             if (parse_bind(optarg, cfg, err) < 0)

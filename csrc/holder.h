@@ -33,7 +33,7 @@ struct prepared_trees {
     int workspace;     /* the workspace, without an overlay */
     int overlay_tree;  /* the directory holding the overlay's upper and work dirs */
     int overlay_lower; /* the overlay's template */
-    int gateway_socket;
+    int gateway_dir;
 };
 
 /* One part of the guests' seccomp filter (enum sbx_seccomp_part), compiled. */
@@ -54,7 +54,7 @@ struct holder_config {
     const char *workspace;     /* bound as /workspace; the upper layer with an overlay */
     const char *overlay_lower; /* read-only template under the workspace, or NULL */
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
-    const char *gateway_socket; /* host path of the egress gateway's socket, or NULL */
+    const char *gateway_dir;    /* host path of the egress gateway's directory, or NULL */
     unsigned int proxy_port;    /* --proxy-port: listen for the gateway's proxy there, or 0 */
     const char *hostname;
     int share_network;

@@ -35,7 +35,7 @@ struct bind {
 struct plan {
     struct bind binds[MAX_BINDS];
     int nbinds;
-    char symlinks[5][2][PATH_MAX]; /* runtime dirs the host has as symlinks */
+    char symlinks[6][2][PATH_MAX]; /* runtime dirs the host has as symlinks, the gateway's socket */
     int nsymlinks;
     char resolv_conf[4096];
 };
@@ -235,12 +235,18 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
                        extra->writable ? WORKSPACE_ATTRS : RUNTIME_RO | MOUNT_ATTR_NOEXEC, extra->tree_fd, err) < 0)
             return -1;
     }
-    /* The egress gateway's socket: connecting to a socket needs no write
-     * access to its mount, so it is bound read-only like everything else. */
-    if (cfg->gateway_socket &&
-        clone_tree(plan, cfg->gateway_socket, "run/sandboxns-network.sock", RUNTIME_RO | MOUNT_ATTR_NOEXEC,
-                   cfg->prepared.gateway_socket, err) < 0)
-        return -1;
+    /* The egress gateway's directory: its socket (connecting to a socket
+     * needs no write access to its mount, so it is bound read-only like
+     * everything else), and what the host adds while the session runs (the
+     * session CA's trust bundle). The socket's own path links into it. */
+    if (cfg->gateway_dir) {
+        if (clone_tree(plan, cfg->gateway_dir, "run/sandboxns", RUNTIME_RO | MOUNT_ATTR_NOEXEC,
+                       cfg->prepared.gateway_dir, err) < 0)
+            return -1;
+        snprintf(plan->symlinks[plan->nsymlinks][0], PATH_MAX, "run/sandboxns-network.sock");
+        snprintf(plan->symlinks[plan->nsymlinks][1], PATH_MAX, "sandboxns/network.sock");
+        plan->nsymlinks++;
+    }
     for (size_t i = 0; i < sizeof device_nodes / sizeof device_nodes[0]; i++) {
         char target[32];
 

@@ -93,8 +93,8 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
         if (prepare_tree(extra->host, attrs, idmap, &extra->tree_fd, err) < 0)
             goto out;
     }
-    if (cfg->gateway_socket &&
-        prepare_tree(cfg->gateway_socket, RUNTIME_RO | MOUNT_ATTR_NOEXEC, idmap, &prepared->gateway_socket, err) < 0)
+    if (cfg->gateway_dir &&
+        prepare_tree(cfg->gateway_dir, RUNTIME_RO | MOUNT_ATTR_NOEXEC, idmap, &prepared->gateway_dir, err) < 0)
         goto out;
     /* Root's supplementary groups go first, while it may still drop them. */
     if (setgroups(0, NULL) < 0 || setresgid(cfg->outer_gid, cfg->outer_gid, cfg->outer_gid) < 0 ||

@@ -66,7 +66,7 @@ from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._native import HOLDER_PATH
-from ._network import GUEST_SOCKET, PROXY_PORT, NetworkPolicy
+from ._network import GATEWAY_SOCKET_NAME, GUEST_GATEWAY_DIR, GUEST_SOCKET, PROXY_PORT, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 from ._session import Session
 
@@ -119,7 +119,7 @@ def _plan(
     etc_dir: Path,
     ids: tuple[int, int],
     share_network: bool,
-    gateway_socket: Path | None,
+    gateway_dir: Path | None,
     mounts: tuple[Mount, ...],
     tmp_size: int,
     userns_fd: int | None,
@@ -169,8 +169,9 @@ def _plan(
     ]  # fmt: skip
     for mount in mounts:
         plan += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.guest]
-    if gateway_socket is not None:
-        plan += ["--ro-bind", str(gateway_socket), GUEST_SOCKET]
+    if gateway_dir is not None:
+        plan += ["--ro-bind", str(gateway_dir), GUEST_GATEWAY_DIR]
+        plan += ["--symlink", f"{GUEST_GATEWAY_DIR.removeprefix('/run/')}/{GATEWAY_SOCKET_NAME}", GUEST_SOCKET]
     return plan + ["--remount-ro", "/"]
 
 
@@ -569,7 +570,7 @@ class BwrapDriver(HostWorkspaceIO):
 
     def _configure(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Write the synthesized /etc and the plan for this network."""
-        gateway_socket = None if gateway is None else gateway.socket_path
+        gateway_dir = None if gateway is None else gateway.directory
         uid, gid = self._ids
         files = _etc_files(uid, gid, policy.shares_host_network)
         for stale in set(os.listdir(self._etc)) - set(files):
@@ -584,17 +585,18 @@ class BwrapDriver(HostWorkspaceIO):
             self._etc,
             self._ids,
             policy.shares_host_network,
-            gateway_socket,
+            gateway_dir,
             mounts,
             self.confinement.tmp_size,
             None if self._root_host is None else self._root_host.userns,
         )
-        if gateway_socket is not None and self._root_host is not None:
+        if gateway is not None and self._root_host is not None:
             # bwrap reaches bind sources as the guest's host user, and the
             # gateway's socket is its owner's alone (0600): that owner must
-            # be the guest's user, and its directory open to passing through.
-            os.chown(gateway_socket, *self._root_host.guest_ids)
-            gateway_socket.parent.chmod(0o711)
+            # be the guest's user, and its directory open to the guest (it
+            # holds nothing secret: the socket, a CA's public certificate).
+            os.chown(gateway.socket_path, *self._root_host.guest_ids)
+            gateway.directory.chmod(0o755)
         self.network = policy
         self._gateway = gateway
 

@@ -22,7 +22,7 @@ import trio
 from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import WORKSPACE, DirEntry
-from ._network import GUEST_SOCKET, NetworkPolicy, check_network_policy
+from ._network import GUEST_GATEWAY_DIR, GUEST_SOCKET, NetworkPolicy, check_network_policy
 from ._pump import OutputSink
 
 
@@ -93,7 +93,8 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
             or posixpath.normpath(guest) != guest
             or any(c in guest for c in ":\0")
             or not guest.startswith(_MOUNT_ROOTS)
-            or guest in (GUEST_SOCKET, GUEST_INIT)
+            or guest in (GUEST_SOCKET, GUEST_INIT, GUEST_GATEWAY_DIR)
+            or guest.startswith(GUEST_GATEWAY_DIR + "/")
         ):
             raise SandboxError(
                 ErrorCode.SANDBOX_PATH_REFUSED,
@@ -113,11 +114,13 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
 
 class GatewayEndpoint(Protocol):
     """What a driver connects a gateway session to (a
-    :class:`~sandboxns._gateway.Gateway`): its Unix socket, bound into the
-    guest at /run/sandboxns-network.sock, and the server of the session's
+    :class:`~sandboxns._gateway.Gateway`): its directory, bound read-only
+    into the guest at /run/sandboxns (its Unix socket, ``network.sock``,
+    also at /run/sandboxns-network.sock), and the server of the session's
     proxy port, to which the driver hands the listening sockets a sandbox
     process made in the guest's network namespace."""
 
+    directory: Path
     socket_path: Path
 
     def serve_proxy(self, listeners: list[socket.socket]) -> trio.CancelScope:

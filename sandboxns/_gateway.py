@@ -48,7 +48,15 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from ._network import CREDENTIAL_HEADERS, DEFAULT_PORTS, AllowedOrigin, NetworkPolicy, Origin, canonical_host
+from ._network import (
+    CREDENTIAL_HEADERS,
+    DEFAULT_PORTS,
+    GATEWAY_SOCKET_NAME,
+    AllowedOrigin,
+    NetworkPolicy,
+    Origin,
+    canonical_host,
+)
 from ._routing import (
     Refusal,
     is_address,
@@ -313,8 +321,8 @@ class Gateway:
         self.session_id = session_id
         self.policy = policy
         self._on_request = on_request
-        self._directory = Path(tempfile.mkdtemp(prefix="sandboxns-net-"))
-        self.socket_path = self._directory / "gateway.sock"
+        self.directory = Path(tempfile.mkdtemp(prefix="sandboxns-net-"))
+        self.socket_path = self.directory / GATEWAY_SOCKET_NAME
         self._cancel = trio.CancelScope()
         self._done = trio.Event()
         self._connections = 0
@@ -336,7 +344,7 @@ class Gateway:
                         task_status.started()
                         await self._accept(listener)
         finally:
-            shutil.rmtree(self._directory, ignore_errors=True)
+            shutil.rmtree(self.directory, ignore_errors=True)
             self._done.set()
 
     async def _accept(self, listener: trio.socket.SocketType) -> None:

@@ -228,7 +228,7 @@ class NativeDriver(HostWorkspaceIO):
         if policy.shares_host_network:
             argv.append("--share-network")
         if gateway is not None:
-            argv += [f"--gateway-socket={gateway.socket_path}", f"--proxy-port={PROXY_PORT}"]
+            argv += [f"--gateway-dir={gateway.directory}", f"--proxy-port={PROXY_PORT}"]
         self.holder_pid = None
         with contextlib.ExitStack() as cleanup:
             host_end, holder_end = _seqpacket_pair()

@@ -26,6 +26,10 @@ from ._errors import invalid_argument
 
 PolicyKind = Literal["deny-all", "allow-all", "allow", "internet"]
 GUEST_SOCKET = "/run/sandboxns-network.sock"
+# The gateway's directory in the guest: its socket (GUEST_SOCKET links to
+# it) and, for a session whose policy intercepts TLS, the trust bundle.
+GUEST_GATEWAY_DIR = "/run/sandboxns"
+GATEWAY_SOCKET_NAME = "network.sock"
 # Where a gateway session's proxy listens in its own network namespace
 # (127.0.0.1 and [::1]); its commands' proxy variables name it.
 PROXY_PORT = 3128

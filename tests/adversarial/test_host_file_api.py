@@ -757,10 +757,13 @@ async def test_sessions_reach_only_their_own_gateway_and_credentials(backend, nu
         assert await request("/run/sandboxns-network.sock", upstreams[other]) == "403"
         assert await request(str(sockets[other]), upstreams[other]) == f"refused {errno.ENOENT}"
         assert await request("/run/sandboxns-network.sock", upstreams[mine]) == "200"
-        listing = await session.run("sh", ["-c", "ls -A /run; echo ---; env; cat /proc/[0-9]*/environ 2>/dev/null"])
-        # Only its own socket (and, under bwrap, the program that starts
+        listing = await session.run(
+            "sh", ["-c", "ls -A /run /run/sandboxns; echo ---; env; cat /proc/[0-9]*/environ 2>/dev/null"]
+        )
+        # Only its own gateway (and, under bwrap, the program that starts
         # each command, the same for every session).
-        assert set(listing.stdout.split("---")[0].split()) - {"sandboxns-init"} == {"sandboxns-network.sock"}, listing
+        shown = set(listing.stdout.split("---")[0].split()) - {"sandboxns-init", "/run:", "/run/sandboxns:"}
+        assert shown == {"sandboxns-network.sock", "sandboxns", "network.sock"}, listing
         assert not any(secret in listing.stdout for secret in secrets_of)
     for upstream, secret in zip(upstreams, secrets_of, strict=True):
         assert [request.headers.get("authorization") for request in upstream.requests] == [secret]
