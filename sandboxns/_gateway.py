@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from ._intercept import SessionAuthority
 from ._network import (
     CREDENTIAL_HEADERS,
     DEFAULT_PORTS,
@@ -64,6 +65,7 @@ from ._routing import (
     refusal_to_connect,
     route_request,
     route_tunnel,
+    route_within,
     split_authority,
 )
 from ._tunnel import NotTLS, client_hello_server_name, relay
@@ -327,8 +329,14 @@ class Gateway:
         self._done = trio.Event()
         self._connections = 0
         self._limiter = trio.CapacityLimiter(hub.session_share)
+        self._authority: SessionAuthority | None = None
+        self.update(policy)
 
     def update(self, policy: NetworkPolicy) -> None:
+        if policy.intercepts and self._authority is None:
+            # Made when first needed, and kept: the guest may already trust it.
+            self._authority = SessionAuthority(self.session_id)
+            self._authority.write_bundle(self.directory)
         self.policy = policy
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -402,7 +410,9 @@ class Gateway:
         finally:
             self._connections -= 1
 
-    async def _requests(self, stream: trio.SocketStream) -> None:
+    async def _requests(self, stream: trio.abc.Stream, within: AllowedOrigin | None = None) -> None:
+        """Requests on one connection, until it ends; ``within``: the route
+        of the intercepted tunnel the connection is."""
         buffer = b""
         while True:
             if not buffer:
@@ -419,7 +429,7 @@ class Gateway:
                 return
             if head is None:
                 return  # too large, or gone
-            keep_alive, buffer = await self._handle(stream, head, buffer)
+            keep_alive, buffer = await self._handle(stream, head, buffer, within)
             if not keep_alive:
                 await _linger(stream)
                 return
@@ -456,7 +466,9 @@ class Gateway:
         with trio.fail_after(CLIENT_TIMEOUT):
             await stream.send_all(data)
 
-    async def _handle(self, stream: trio.SocketStream, head: bytes, rest: bytes) -> tuple[bool, bytes]:
+    async def _handle(
+        self, stream: trio.abc.Stream, head: bytes, rest: bytes, within: AllowedOrigin | None = None
+    ) -> tuple[bool, bytes]:
         """Answer one request; returns whether the connection stays open and
         the bytes already read past this request."""
         started = time.monotonic()
@@ -482,21 +494,25 @@ class Gateway:
             close = _wants_close(request)
             host = [value for name, value in request.headers if name == b"host"]
             requested = _requested(target, host)
-            if request.method.upper() == b"CONNECT":
+            if request.method.upper() == b"CONNECT" and within is None:
                 # After it, the connection is the tunnel's, refused or not.
                 close, path = True, ""
                 route = route_tunnel(self.policy, target)
                 origin_text = str(route.origin)
                 await self._tunnel(stream, route, rest, started, requested)
                 return False, b""
-            if request.method.upper() == b"TRACE":
+            if request.method.upper() in (b"TRACE", b"CONNECT"):
                 raise Refusal(405, f"{method} is not allowed through the gateway", close=True)
             if any(name == b"upgrade" for name, _ in request.headers):
                 raise Refusal(400, "protocol upgrades are not allowed through the gateway", close=True)
             if len(host) != 1:
                 raise Refusal(400, "the request needs exactly one Host header", close=True)
             try:
-                allowed, upstream_target = route_request(self.policy, host[0].decode("ascii", "replace"), target)
+                asked = host[0].decode("ascii", "replace")
+                if within is None:
+                    allowed, upstream_target = route_request(self.policy, asked, target)
+                else:
+                    allowed, upstream_target = route_within(within, asked, target)
             except Refusal as refusal:
                 # Refused before its body is read, so a refused request
                 # never buffers one; with a body to skip, the connection ends.
@@ -551,9 +567,12 @@ class Gateway:
         origin = route.origin
         if route.injects_credentials:
             # Credentials go only into requests the gateway itself reads.
-            raise Refusal(
-                403, f"{origin} gets credentials from the policy: send its requests through the proxy as plain HTTP"
-            )
+            if origin.scheme != "https" or self._authority is None:
+                raise Refusal(
+                    403, f"{origin} gets credentials from the policy: send its requests through the proxy as plain HTTP"
+                )
+            await self._intercept(stream, route, early, started, requested)
+            return
         upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
         async with upstream:
             await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -568,6 +587,32 @@ class Gateway:
                 sent += len(early)
             status = 403 if reason else 200
             self._audit("CONNECT", str(origin), requested, "", status, sent, received, started, reason)
+
+    async def _intercept(
+        self, stream: trio.SocketStream, route: AllowedOrigin, early: bytes, started: float, requested: str
+    ) -> None:
+        """A tunnel to an origin that gets credentials: the gateway is its
+        far end, with a certificate from the session's CA, and serves the
+        requests in it as it serves plain ones (each sent on over its own
+        verified TLS, with the policy's headers)."""
+        origin = route.origin
+        await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+        early, reason = await self._check_client_hello(stream, origin, early)
+        self._audit(
+            "CONNECT", str(origin), requested, "", 403 if reason else 200, 0, 0, started, reason or "intercepted"
+        )
+        if reason:
+            return
+        context = self._authority.server_context(origin.host)
+        guest = trio.SSLStream(_Replayed(stream, early), context, server_side=True, https_compatible=True)
+        try:
+            with trio.fail_after(CLIENT_TIMEOUT):
+                await guest.do_handshake()
+            await self._requests(guest, within=route)
+        except (trio.BrokenResourceError, trio.TooSlowError):
+            return  # the guest gave up on the handshake (it may not trust the CA), or went away
+        finally:
+            await trio.aclose_forcefully(guest)
 
     async def _check_client_hello(self, stream: trio.SocketStream, origin: Origin, data: bytes) -> tuple[bytes, str]:
         """Read the guest's ClientHello; returns what was read and why the
@@ -710,12 +755,14 @@ async def _read_response(stream: trio.abc.Stream, client: h11.Connection) -> Ups
         # h11.InformationalResponse (100 Continue and such): nothing to do.
 
 
-async def _linger(stream: trio.SocketStream) -> None:
+async def _linger(stream: trio.abc.Stream) -> None:
     """Close gently: say we are done, then read and drop what the guest is
     still sending (the rest of a refused body) for a moment, so it reads our
-    answer instead of a connection reset."""
+    answer instead of a connection reset. (TLS has no half-close: an
+    intercepted tunnel only drains.)"""
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        await stream.send_eof()
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            await stream.send_eof()
         drained = 0
         with trio.move_on_after(LINGER_TIMEOUT):
             while drained < LINGER_BYTES and (chunk := await stream.receive_some(_READ)):
@@ -850,3 +897,26 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+class _Replayed(trio.abc.Stream):
+    """A stream whose first bytes were already read (a ClientHello read to
+    judge it): they come again, then the rest."""
+
+    def __init__(self, stream: trio.abc.Stream, first: bytes) -> None:
+        self._stream, self._first = stream, first
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._first:
+            chunk, self._first = self._first, b""
+            return chunk
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

@@ -48,6 +48,16 @@ PROXY_ENVIRONMENT = {
     "npm_config_proxy": PROXY_URL,
     "npm_config_https_proxy": PROXY_URL,
 }
+# And, where the policy intercepts TLS, what makes the tools trust the
+# session's CA: a bundle of the host's CAs and it (see _intercept.py).
+GUEST_TRUST_BUNDLE = f"{GUEST_GATEWAY_DIR}/ca.pem"
+PROXY_TRUST_ENVIRONMENT = {
+    name: GUEST_TRUST_BUNDLE
+    for name in (
+        "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO",
+        "npm_config_cafile",
+    )
+}  # fmt: skip
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 9110 token characters.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -157,6 +167,12 @@ class NetworkPolicy:
     @property
     def needs_gateway(self) -> bool:
         return self.kind in ("allow", "internet")
+
+    @property
+    def intercepts(self) -> bool:
+        """Whether an https origin gets headers from the policy: the
+        gateway then answers tunnels to it with the session's own CA."""
+        return any(allowed.injects_credentials and allowed.origin.scheme == "https" for allowed in self.allowed)
 
     def __repr__(self) -> str:
         if self.kind != "allow":

@@ -168,3 +168,18 @@ def refusal_to_connect(origin: Origin, address: IPAddress, named: bool) -> str |
     if not is_public(address):
         return f"{origin.host} resolves to {address}, which is not a public address"
     return None
+
+
+def route_within(route: AllowedOrigin, host_header: str, target: str) -> tuple[AllowedOrigin, str]:
+    """A request read inside a tunnel the gateway answers itself (see
+    _intercept.py): it must be for the tunnel's own origin (421 if not, as
+    RFC 9110 says of a request the connection cannot serve)."""
+    origin = route.origin
+    host, port = split_authority(host_header)
+    path = target
+    if not target.startswith("/"):
+        named, path = route_request(NetworkPolicy("allow", (route,)), host_header, target)
+        host, port = named.origin.host, named.origin.port
+    if (host, port or DEFAULT_PORTS[origin.scheme]) != (origin.host, origin.port):
+        raise Refusal(421, f"this connection is a tunnel to {origin}; {host_header} is another origin")
+    return route, path

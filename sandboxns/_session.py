@@ -24,7 +24,7 @@ from ._confinement import ResourceLimits
 from ._driver import ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import WORKSPACE, DirEntry
-from ._network import PROXY_ENVIRONMENT, NetworkPolicy, check_network_policy
+from ._network import PROXY_ENVIRONMENT, PROXY_TRUST_ENVIRONMENT, NetworkPolicy, check_network_policy
 from ._pump import OutputSink
 
 if TYPE_CHECKING:
@@ -423,8 +423,9 @@ class Session:
         SIGTERM and SIGKILL."""
         if self._changing_network:
             raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
-        if self.driver.network.needs_gateway:
-            env = {**PROXY_ENVIRONMENT, **env}
+        policy = self.driver.network
+        if policy.needs_gateway:
+            env = {**PROXY_ENVIRONMENT, **(PROXY_TRUST_ENVIRONMENT if policy.intercepts else {}), **env}
         if self._admission is not None:
             self._admission.acquire()
         self._running += 1

@@ -26,11 +26,23 @@ pytestmark = pytest.mark.smoke
 GUEST_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
-def guest_env(**extra: str) -> dict[str, str]:
+# What tool_env sets to make the tools trust a CA: a guest that is to trust
+# what its session tells it to (the session CA, for interception) has none.
+TRUST_VARIABLES = (
+    "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO",
+    "npm_config_cafile",
+)  # fmt: skip
+
+
+def guest_env(trust_test_ca: bool = True, **extra: str) -> dict[str, str]:
     """The tools' environment in the guest: trusting the test CA (copied to
-    /workspace/ca.pem), home and caches in the workspace, loopback through
-    the proxy. The proxy variables themselves come from the session."""
-    return {**tool_env("/workspace/home", "/workspace/ca.pem", GUEST_PATH), "NO_PROXY": "", "no_proxy": "", **extra}
+    /workspace/ca.pem) unless told not to, home and caches in the workspace,
+    loopback through the proxy. The proxy variables themselves come from the
+    session."""
+    env = {**tool_env("/workspace/home", "/workspace/ca.pem", GUEST_PATH), "NO_PROXY": "", "no_proxy": "", **extra}
+    if not trust_test_ca:
+        env = {name: value for name, value in env.items() if name not in TRUST_VARIABLES}
+    return env
 
 
 def allow(*servers, headers=None) -> dict:
@@ -55,8 +67,8 @@ def proxied(driver_name, workspace, ca_pem, client_context):
     return open_with
 
 
-async def run_ok(session, *argv: str, **extra: str) -> str:
-    result = await session.run(argv[0], list(argv[1:]), env=guest_env(**extra), timeout=60)
+async def run_ok(session, *argv: str, trust_test_ca: bool = True, **extra: str) -> str:
+    result = await session.run(argv[0], list(argv[1:]), env=guest_env(trust_test_ca, **extra), timeout=60)
     assert result.exit_code == 0, f"{argv[:3]}: {result.stdout[-2000:]}{result.stderr[-2000:]}"
     return result.stdout
 
@@ -65,6 +77,8 @@ async def test_commands_get_the_proxy_variables_unless_they_set_their_own(proxie
     async with proxied(allow(package_index.server)) as session:
         seen = await session.run("env")
         assert dict(line.split("=", 1) for line in seen.stdout.splitlines()).items() >= PROXY_ENVIRONMENT.items()
+        # Nothing is intercepted: the guest's trust is its own.
+        assert "SSL_CERT_FILE" not in seen.stdout and "/run/sandboxns/ca.pem" not in seen.stdout
         own = await session.run("sh", ["-c", "echo $HTTPS_PROXY $NO_PROXY"], env={"HTTPS_PROXY": "http://mine:1"})
         assert own.stdout.split() == ["http://mine:1", PROXY_ENVIRONMENT["NO_PROXY"]]
     async with proxied("deny-all") as session:
@@ -222,3 +236,58 @@ async def test_internet_reaches_no_loopback_no_address_and_no_private_range(prox
         interfaces = await session.run("cat", ["/proc/net/dev"])
         assert interfaces.stdout.count(":") == 1
     assert a.connections == a_tls.connections == 0
+
+
+TOKEN = {"authorization": SECRET}
+
+
+async def test_an_https_origin_that_gets_credentials_is_intercepted(proxied, package_index, workspace):
+    # The guest trusts only what its session says (no test CA of its own):
+    # it reaches the index through the gateway, which holds the token.
+    server = package_index.server
+    async with proxied(allow(server, headers=TOKEN)) as session:
+        await run_ok(
+            session, "python3", "-m", "pip", "install", "-q", "--index-url", f"https://localhost:{server.port}/simple/",
+            "--target", "/workspace/target", package_index.packages[0], trust_test_ca=False,
+        )  # fmt: skip
+        shown = await session.run(
+            "curl", ["-sS", "-v", "-o", "/dev/null", f"https://localhost:{server.port}/simple/"],
+            env=guest_env(trust_test_ca=False),
+        )  # fmt: skip
+        everything = await session.run("sh", ["-c", "env; cat /run/sandboxns/ca.pem; ls -A /run/sandboxns"])
+        # No key of the session's CA or its leaves is in a file, not even
+        # one the guest cannot see.
+        files = [path for path in session._network.gateway.directory.rglob("*") if path.is_file()]
+        assert [path.name for path in files] == ["ca.pem"]
+        assert not any(b"PRIVATE KEY" in path.read_bytes() for path in files)
+    assert sorted(p.name for p in (workspace / "target").glob("*.dist-info")) == [
+        f"sandboxns_demo_{i}-1.0.dist-info" for i in (0, 1)
+    ]
+    # Every request reached the index with the policy's token, over the
+    # gateway's own verified TLS, and the guest saw the session's CA.
+    assert server.requests and all(r.headers["authorization"] == SECRET for r in server.requests)
+    assert shown.exit_code == 0 and "issuer: CN=sandboxns session" in shown.stderr, shown
+    assert SECRET not in everything.stdout
+    assert "BEGIN CERTIFICATE" in everything.stdout and "ca.pem" in everything.stdout
+    assert "PRIVATE KEY" not in everything.stdout
+
+
+async def test_an_intercepted_tunnel_serves_its_own_origin_alone(proxied, package_index, upstreams):
+    a, b, a_tls = upstreams
+    server = package_index.server
+    async with proxied({"allow": [*allow(server, headers=TOKEN)["allow"], {"origin": a.origin}]}) as session:
+        # Inside the tunnel to the index, a request for another origin
+        # (allowed, even) is misdirected; the index's own one goes through.
+        script = f"""
+import socket, ssl
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT localhost:{server.port} HTTP/1.1\\r\\nHost: localhost:{server.port}\\r\\n\\r\\n")
+s.recv(100)
+tls = ssl.create_default_context(cafile="/run/sandboxns/ca.pem").wrap_socket(s, server_hostname="localhost")
+for host in ("{a.host}", "localhost:{server.port}"):
+    tls.sendall(f"GET /simple/ HTTP/1.1\\r\\nHost: {{host}}\\r\\n\\r\\n".encode())
+    print(tls.recv(4096).split(b"\\r\\n")[0].decode())
+"""
+        result = await session.run("python3", ["-c", script], timeout=20)
+    assert [line.split()[1] for line in result.stdout.splitlines()] == ["421", "200"], result
+    assert a.requests == [] and len(server.requests) == 1
