@@ -24,7 +24,7 @@ from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
-from ._spec import SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
+from ._spec import InstallResult, SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
 from ._templates import Template
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
+    "InstallResult",
     "Mount",
     "NativeDriver",
     "NetworkPolicy",

@@ -19,6 +19,9 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
     workspace_size = 1073741824     # a template's sessions only
     [seccomp]
     allow = ["ptrace"]              # lift groups of the default filter; deny = [...] adds syscalls
+    [install]
+    pip = ["requests==2.32.3"]      # into the venv /workspace/.venv, when the sandbox is built
+    npm = ["typescript@5"]          # npm install --global, its prefix /workspace/.npm-global
     [lifecycle]
     idle_timeout = 900
     destroy_on = ["idle"]           # delete, not stop, when: "close" (any close), "idle" (its idle timeout)
@@ -42,6 +45,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 import yaml
@@ -56,8 +60,9 @@ from ._backend import (
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError
-from ._network import header_name_problem, parse_origin
+from ._network import AllowedOrigin, NetworkPolicy, Origin, header_name_problem, parse_origin
 from ._open import DRIVERS
+from ._routing import Refusal, route_request, route_tunnel
 from ._session import (
     DEFAULT_ENV,
     DEFAULT_MAX_OUTPUT_BYTES,
@@ -65,6 +70,7 @@ from ._session import (
     MAX_FILE_BYTES,
     MAX_FILE_BYTES_LIMIT,
     MAX_OUTPUT_BYTES_LIMIT,
+    RunResult,
     Session,
 )
 from ._templates import check_template_files
@@ -72,7 +78,19 @@ from ._templates import check_template_files
 SPEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*\r?$", re.DOTALL | re.MULTILINE)
-_FIELDS = ("id", "description", "driver", "template", "workspace", "env", "network", "limits", "seccomp", "lifecycle")
+_FIELDS = (
+    "id",
+    "description",
+    "driver",
+    "template",
+    "workspace",
+    "env",
+    "network",
+    "limits",
+    "seccomp",
+    "install",
+    "lifecycle",
+)
 _RESOURCE_LIMITS = tuple(field.name for field in fields(ResourceLimits))
 # The Confinement fields a spec sets under [limits], in bytes.
 _SIZES = ("tmp_size", "workspace_size")
@@ -80,6 +98,41 @@ _LIFECYCLE = ("idle_timeout", "destroy_on", "destroy_on_close", "retain_stopped"
 # What lifecycle.destroy_on may list: "close" deletes the session whenever it
 # is closed (destroy_on_close), "idle" only when its idle timeout closes it.
 _DESTROY_EVENTS = ("close", "idle")
+_INSTALL = ("pip", "npm", "pip_index_url", "npm_registry", "timeout")
+# Per tool: at most this many packages, each at most this long, so that one
+# tool's command line stays well inside a command's limit.
+MAX_INSTALL_PACKAGES = 256
+MAX_INSTALL_PACKAGE_LENGTH = 256
+DEFAULT_INSTALL_TIMEOUT = 600.0
+DEFAULT_PIP_INDEX_URL = "https://pypi.org/simple/"
+DEFAULT_NPM_REGISTRY = "https://registry.npmjs.org/"
+# Where installs go: in the workspace, so they last as long as the session.
+# A venv that every command runs in (what an agent expects of .venv), and
+# npm's global prefix where npm's docs put it for a user without root
+# (~/.npm-global, HOME being the workspace), so a later "npm i -g" works too.
+VENV = "/workspace/.venv"
+NPM_PREFIX = "/workspace/.npm-global"
+# What of each tool's output is kept, and how much of its end a failure's
+# message quotes.
+INSTALL_OUTPUT_BYTES = DEFAULT_MAX_OUTPUT_BYTES
+_QUOTED_LINES = 15
+_QUOTED_CHARACTERS = 2000
+# Each tool runs as "sh -c SCRIPT TOOL SOURCE PACKAGE...". The venv has no
+# pip of its own (ensurepip takes seconds) but sees the system's
+# site-packages, so its python runs the system's pip, which installs into
+# the venv, and sees what the system python does. A .venv already there
+# (a bound project's) is used as it is, never recreated. Caches would fill
+# the workspace (HOME): pip keeps none, npm's lives in the command's /tmp.
+_PIP_SCRIPT = f"""index=$1; shift
+[ -e {VENV} ] || python3 -m venv --system-site-packages --without-pip {VENV} || exit
+[ -x {VENV}/bin/python ] || {{ echo "{VENV} has no bin/python that runs here" >&2; exit 1; }}
+exec {VENV}/bin/python -m pip install --no-input --disable-pip-version-check --no-cache-dir --progress-bar off \
+    --index-url "$index" -- "$@"
+"""
+_NPM_SCRIPT = f"""registry=$1; shift
+exec npm install --global --prefix {NPM_PREFIX} --registry "$registry" --cache /tmp/npm-cache \
+    --no-audit --no-fund --no-update-notifier --logs-max 0 -- "$@"
+"""
 
 
 @dataclass(frozen=True)
@@ -282,8 +335,10 @@ class SandboxSpec:
     ) -> dict[str, str]:
         """The commands' environment: the defaults, ``env.vars``, and the
         ``env.passthrough`` variables' values taken from ``host_env``
-        (default: this process's environment). A passthrough variable the
-        host does not have is SANDBOX_INVALID_ARGUMENT.
+        (default: this process's environment), with what makes the
+        ``install`` packages found (the venv active, npm's global prefix on
+        PATH and NODE_PATH). A passthrough variable the host does not have
+        is SANDBOX_INVALID_ARGUMENT.
 
         ``credential_env`` names the variables that hold the caller's
         credentials (such as ``ANTHROPIC_API_KEY``). With
@@ -301,7 +356,8 @@ class SandboxSpec:
             )
         automatic = [name for name in credentials if name in host and name not in resolved.vars]
         passthrough = (*resolved.passthrough, *(automatic if resolved.auto_passthrough else ()))
-        return {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in passthrough}}
+        environment = {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in passthrough}}
+        return {**environment, **_install_environment(resolved.install, environment)}
 
     def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
         """``network.egress`` as a policy for :meth:`Backend.create`, with
@@ -350,14 +406,22 @@ class SandboxSpec:
         ``host_env`` and ``credential_env``. Use ``async with spec.build()
         as sandbox:``, or ``sandbox = await spec.build()`` and later ``await
         sandbox.aclose()`` in the same task. Nothing starts for an invalid
-        spec."""
+        spec.
+
+        The ``install`` packages are installed in the new session before it
+        is handed out, through its network policy; the sandbox's
+        :attr:`~SpecSandbox.installs` keep each tool's output. A tool that
+        fails is SANDBOX_UNAVAILABLE naming the packages and quoting its
+        last lines, and the session is deleted (a host directory it was
+        bound to keeps what the tool wrote there)."""
         return _Building(self, state_directory, host_env, credential_env, backend_options)
 
     async def create_session(
         self, backend: Backend, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
     ) -> SessionHandle:
         """A session of this spec in an already open ``backend`` (whose
-        driver must be the spec's)."""
+        driver must be the spec's), its ``install`` packages installed (see
+        :meth:`build`)."""
         resolved = self._checked()
         if backend.name != resolved.driver:
             raise SandboxError(
@@ -367,7 +431,8 @@ class SandboxSpec:
         environment = self.environment(host_env, credential_env=credential_env)
         network = self.network_policy(host_env)
         files = await trio.to_thread.run_sync(self.template_files)
-        return await self._create_session(backend, resolved, files, environment, network)
+        handle, _ = await self._create_session(backend, resolved, files, environment, network)
+        return handle
 
     async def _create_session(
         self,
@@ -376,7 +441,8 @@ class SandboxSpec:
         files: dict[str, bytes] | None,
         environment: dict[str, str],
         network: object,
-    ) -> SessionHandle:
+    ) -> tuple[SessionHandle, tuple[InstallResult, ...]]:
+        """A new session of the spec, configured, its packages installed."""
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
@@ -391,16 +457,21 @@ class SandboxSpec:
             handle = await backend.create(template=template.template_key, network=network, **lifecycle)
         try:
             _configure(handle.session, resolved.limits, environment)
+            installs = await _install(handle.session, resolved.install)
         except BaseException:
-            await handle.delete()  # nobody has seen it yet
+            # Nobody has seen it yet, so nothing half-installed is kept; the
+            # delete is shielded from a cancellation that ends the build.
+            with trio.CancelScope(shield=True):
+                await handle.delete()
             raise
-        return handle
+        return handle, installs
 
     def configure_session(
         self, session: Session, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
     ) -> None:
         """Give ``session`` the spec's command environment and limits: for
-        a session of this spec resumed elsewhere (``sandboxns exec --spec``)."""
+        a session of this spec resumed elsewhere (``sandboxns exec --spec``).
+        Nothing is installed: the session has its packages from its build."""
         environment = self.environment(host_env, credential_env=credential_env)
         _configure(session, self._checked().limits, environment)
 
@@ -429,6 +500,77 @@ def _configure(session: Session, limits: SpecLimits, environment: Mapping[str, s
     )
 
 
+async def _install(session: Session, install: _Install) -> tuple[InstallResult, ...]:
+    """Run each tool that has packages to install in ``session``, with the
+    session's environment (so through its proxy); one that fails is
+    SANDBOX_UNAVAILABLE."""
+    results = []
+    for tool, script, source, packages in (
+        ("pip", _PIP_SCRIPT, install.pip_index_url, install.pip),
+        ("npm", _NPM_SCRIPT, install.npm_registry, install.npm),
+    ):
+        if not packages:
+            continue
+        # The packages are the script's arguments, never read by the shell.
+        result = await session.run(
+            "sh",
+            ["-c", script, tool, source, *packages],
+            timeout=install.timeout,
+            max_output_bytes=INSTALL_OUTPUT_BYTES,
+        )
+        results.append(InstallResult(tool, packages, result))
+        if result.exit_code != 0:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, _install_failure(results[-1], install.timeout))
+    return tuple(results)
+
+
+def _install_failure(install: InstallResult, timeout: float) -> str:
+    result = install.result
+    if result.timed_out:
+        how = f"timed out after {timeout:g} s"
+    elif result.signal is not None:
+        how = f"was killed by signal {result.signal}"
+    else:
+        how = f"exited with status {result.exit_code}"
+    # The tools say what went wrong on stderr; stdout has their progress.
+    lines = (result.stderr.strip() or result.stdout.strip()).splitlines()[-_QUOTED_LINES:]
+    said = "\n".join(lines)[-_QUOTED_CHARACTERS:] if lines else "(it printed nothing)"
+    return f"installing {', '.join(install.packages)} with {install.tool} failed: {install.tool} {how}:\n{said}"
+
+
+def _install_environment(install: _Install, environment: Mapping[str, str]) -> dict[str, str]:
+    """What makes the installed packages found by every command: the venv
+    active (first on PATH, VIRTUAL_ENV), npm's global prefix on PATH and
+    NODE_PATH (for require) and named as its prefix (for a later npm i -g)."""
+    paths, added = [], {}
+    if install.pip:
+        paths.append(f"{VENV}/bin")
+        added["VIRTUAL_ENV"] = VENV
+    if install.npm:
+        paths.append(f"{NPM_PREFIX}/bin")
+        added["NODE_PATH"] = _search_path(f"{NPM_PREFIX}/lib/node_modules", environment.get("NODE_PATH", ""))
+        added["npm_config_prefix"] = NPM_PREFIX
+    if paths:
+        added["PATH"] = _search_path(*paths, environment.get("PATH", ""))
+    return added
+
+
+def _search_path(*entries: str) -> str:
+    # An empty entry would mean the working directory.
+    return ":".join(entry for entry in entries if entry)
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    """One tool's install when a spec sandbox was built: the tool (``pip``
+    or ``npm``), the packages it was given, and how its command ended, with
+    its output (at most 1 MiB, see :class:`~sandboxns.RunResult`)."""
+
+    tool: str
+    packages: tuple[str, ...]
+    result: RunResult
+
+
 @dataclass(frozen=True)
 class _HeaderReference:
     env: str
@@ -439,6 +581,15 @@ class _HeaderReference:
 class _Egress:
     origin: str
     headers: dict[str, _HeaderReference]
+
+
+@dataclass(frozen=True)
+class _Install:
+    pip: tuple[str, ...]
+    npm: tuple[str, ...]
+    pip_index_url: str
+    npm_registry: str
+    timeout: float
 
 
 @dataclass(frozen=True)
@@ -455,6 +606,7 @@ class _Resolved:
     egress: str | tuple[_Egress, ...]
     limits: SpecLimits
     confinement: Confinement
+    install: _Install
     idle_timeout: float | None
     destroy_on_close: bool
     destroy_on_idle: bool
@@ -574,6 +726,8 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     )
     destroy_on_close, destroy_on_idle = _check_destroy(c, lifecycle)
 
+    install = _check_install(c, c.table(top.get("install", {}), "install", _INSTALL), egress)
+
     resolved = _Resolved(
         id=spec_id or "",
         driver=driver,
@@ -585,12 +739,134 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         egress=egress,
         limits=SpecLimits(**limits),
         confinement=confinement,
+        install=install,
         idle_timeout=idle_timeout,
         destroy_on_close=destroy_on_close,
         destroy_on_idle=destroy_on_idle,
         retain_stopped=retain_stopped,
     )
     return c.problems, resolved
+
+
+def _check_install(c: _Checker, install: Mapping[str, Any], egress: str | tuple[_Egress, ...]) -> _Install:
+    """Each tool's packages and where it fetches them, which
+    ``network.egress`` must let it reach."""
+    packages, sources = {}, {}
+    for tool, name, default in (
+        ("pip", "pip_index_url", DEFAULT_PIP_INDEX_URL),
+        ("npm", "npm_registry", DEFAULT_NPM_REGISTRY),
+    ):
+        packages[tool] = _check_packages(c, install.get(tool, []), f"install.{tool}")
+        source = _check_source(c, install[name], f"install.{name}") if name in install else default
+        if packages[tool] and source is not None and (problem := _egress_problem(egress, source, tool)) is not None:
+            c.problem(f"install.{name}" if name in install else f"install.{tool}", problem)
+        sources[tool] = source or default
+    timeout = (
+        c.number(install["timeout"], "install.timeout", integer=False, minimum=0.001, maximum=math.inf)
+        if "timeout" in install
+        else None
+    )
+    return _Install(
+        pip=packages["pip"],
+        npm=packages["npm"],
+        pip_index_url=sources["pip"],
+        npm_registry=sources["npm"],
+        timeout=timeout or DEFAULT_INSTALL_TIMEOUT,
+    )
+
+
+def _check_packages(c: _Checker, listed: object, field: str) -> tuple[str, ...]:
+    """Package specifications for a tool's command line: each one argument
+    that cannot be read as an option."""
+    if not isinstance(listed, list):
+        c.problem(field, f"must be a list of package specifications, not {_short(listed)}")
+        return ()
+    if len(listed) > MAX_INSTALL_PACKAGES:
+        c.problem(field, f"lists {len(listed)} packages; at most {MAX_INSTALL_PACKAGES}")
+        return ()
+    packages = []
+    for index, package in enumerate(listed):
+        where = f"{field}[{index}]"
+        if (text := c.string(package, where)) is None:
+            continue
+        if not text:
+            c.problem(where, "must not be empty")
+        elif len(text) > MAX_INSTALL_PACKAGE_LENGTH:
+            c.problem(where, f"is {len(text)} characters long; at most {MAX_INSTALL_PACKAGE_LENGTH}")
+        elif _spaced(text):
+            c.problem(where, f"must be one package specification, without white space or control characters: {text!r}")
+        elif text.startswith("-"):
+            c.problem(where, f"must not start with '-': {text!r} would be read as an option")
+        else:
+            packages.append(text)
+    return tuple(packages)
+
+
+def _spaced(text: str) -> bool:
+    """Whether ``text`` would not be one clean word on a command line."""
+    return any(character.isspace() or not character.isprintable() for character in text)
+
+
+def _check_source(c: _Checker, value: object, field: str) -> str | None:
+    """An index or registry URL: http(s), one host, and no credentials."""
+    if (url := c.string(value, field)) is None:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        c.problem(field, f"is not a URL: {exc}")
+        return None
+    if "@" in parts.netloc:  # not quoted: it would be a credential
+        c.problem(field, "must not hold user information; a spec never holds a credential")
+        return None
+    if _spaced(url):
+        c.problem(field, f"must not contain white space or control characters: {_short(url)}")
+        return None
+    try:
+        origin = _origin_of(url)
+    except SandboxError as exc:
+        c.problem(field, exc.message)
+        return None
+    if origin.is_pattern:
+        c.problem(field, f"must name one host, not the pattern {origin.host}")
+        return None
+    return url
+
+
+def _origin_of(url: str) -> Origin:
+    parts = urlsplit(url)
+    return parse_origin(f"{parts.scheme}://{parts.netloc}", "its origin")
+
+
+def _egress_problem(egress: str | tuple[_Egress, ...], source: str, tool: str) -> str | None:
+    """Why ``tool`` cannot reach ``source`` under ``egress``, or None if it
+    can: judged as the proxy judges it (an https URL is a CONNECT tunnel, an
+    http one a plain request), but with no header values (only whether an
+    origin gets headers matters)."""
+    if egress in ("internet", "allow-all"):
+        return None
+    origin = _origin_of(source)
+    blocked = f"{tool} fetches from {origin}, which network.egress"
+    if egress == "deny-all":
+        return f"{blocked} ('deny-all') does not allow; allow it there"
+    policy = NetworkPolicy(
+        "allow",
+        tuple(
+            AllowedOrigin(parse_origin(entry.origin), tuple(dict.fromkeys(entry.headers, "").items()))
+            for entry in egress
+        ),
+    )
+    host = f"[{origin.host}]" if ":" in origin.host else origin.host
+    try:
+        if origin.scheme == "https":
+            route = route_tunnel(policy, f"{host}:{origin.port}")
+        else:
+            route, _ = route_request(policy, origin.host_header, f"{origin}/")
+    except Refusal:
+        return f"{blocked} does not allow; allow it there"
+    if origin.scheme == "https" and route.injects_credentials:
+        return f"{tool} fetches from {origin} in a tunnel, and the proxy opens none to an origin network.egress gives headers"
+    return None
 
 
 def _check_destroy(c: _Checker, lifecycle: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -743,10 +1019,13 @@ class SpecSandbox:
     :attr:`session`. Closing it stops the session (keeping its files,
     resumable) or deletes it when the spec's lifecycle destroys it on close."""
 
-    def __init__(self, spec: SandboxSpec, backend: Backend, handle: SessionHandle) -> None:
+    def __init__(
+        self, spec: SandboxSpec, backend: Backend, handle: SessionHandle, installs: tuple[InstallResult, ...]
+    ) -> None:
         self.spec = spec
         self.backend = backend
         self.handle = handle
+        self.installs = installs  # each tool's install when it was built, in order
         self._close: Callable[[], Awaitable[None]] = handle.aclose
 
     @property
@@ -791,9 +1070,9 @@ class _Building:
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle = await spec._create_session(backend, resolved, files, environment, network)
+            handle, installs = await spec._create_session(backend, resolved, files, environment, network)
             try:
-                yield SpecSandbox(spec, backend, handle)
+                yield SpecSandbox(spec, backend, handle, installs)
             finally:
                 await handle.aclose()
 

@@ -290,6 +290,7 @@ class BlockingSpecSandbox(_Closing):
         self.backend = BlockingBackend(built.backend, portal)
         self.handle = BlockingHandle(built.handle, portal)
         self.session = self.handle.session
+        self.installs = built.installs
 
 
 class BlockingCodingTools:

@@ -78,7 +78,7 @@ def test_coding_tools_and_a_spec(tmp_path):
         assert tools.dispatch("read_file", {"path": "/etc/passwd"})["error"] == "SANDBOX_PATH_REFUSED"
         # The spec's backend and session, as the async form has them.
         assert sandbox.backend.name == "native" and sandbox.backend.active_commands == 0
-        assert sandbox.backend.max_concurrent_commands > 0
+        assert sandbox.backend.max_concurrent_commands > 0 and sandbox.installs == ()
         sandbox.session.configure(environment={"GREETING": "hi"})
         assert sandbox.session.environment["GREETING"] == "hi" and sandbox.session.running == 0
         assert sandbox.session.run("sh", ["-c", "echo $GREETING"]).stdout == "hi\n"
