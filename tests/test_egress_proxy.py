@@ -291,3 +291,70 @@ for host in ("{a.host}", "localhost:{server.port}"):
         result = await session.run("python3", ["-c", script], timeout=20)
     assert [line.split()[1] for line in result.stdout.splitlines()] == ["421", "200"], result
     assert a.requests == [] and len(server.requests) == 1
+
+
+URLLIB = """
+import sys, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=20).read().decode())
+except OSError as exc:
+    print("refused:", exc, file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+async def test_python_urllib_goes_through_the_proxy(proxied, package_index):
+    server = package_index.server
+    async with proxied(allow(server)) as session:
+        page = await run_ok(session, "python3", "-c", URLLIB, f"https://localhost:{server.port}/simple/")
+    assert package_index.packages[0] in page and [r.sni for r in server.requests] == ["localhost"]
+
+
+async def test_every_tool_is_told_plainly_when_an_origin_is_not_allowed(proxied, package_index, git_server):
+    # The guests ask an origin the policy does not list: each tool fails,
+    # saying the proxy refused (403), and nothing reaches the upstream.
+    allowed, other = package_index.server, git_server.server
+    url = f"https://localhost:{other.port}"
+    async with proxied(allow(allowed)) as session:
+        for argv in (
+            ["python3", "-c", URLLIB, f"{url}/simple/"],
+            [
+                "python3",
+                "-m",
+                "pip",
+                "install",
+                "--index-url",
+                f"{url}/simple/",
+                "--retries",
+                "0",
+                "--target",
+                "t",
+                "-vv",
+                "x",
+            ],
+            ["git", "clone", f"{url}/repo.git", "/workspace/clone"],
+            ["curl", "-sS", f"{url}/"],
+        ):
+            result = await session.run(argv[0], argv[1:], env=guest_env(), timeout=60)
+            assert result.exit_code != 0 and "403" in result.stdout + result.stderr, (argv[:3], result)
+    assert other.requests == []
+
+
+async def test_intercepted_credentials_never_reach_the_state_directory(
+    driver_name, tmp_path, package_index, client_context
+):
+    server = package_index.server
+    state = tmp_path / "state"
+    async with sandboxns.open_backend(
+        driver=driver_name, state_directory=state, upstream_ssl_context=client_context
+    ) as backend:
+        template = await backend.prewarm(template="t", files={})
+        handle = await backend.create(template=template.template_key, network=allow(server, headers=TOKEN))
+        (handle.session.driver.workspace / "home").mkdir(exist_ok=True)
+        await run_ok(
+            handle.session, "curl", "-sS", "--fail", f"https://localhost:{server.port}/simple/", trust_test_ca=False
+        )
+        await handle.stop()
+    assert [r.headers["authorization"] for r in server.requests] == [SECRET]
+    for path in state.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
