@@ -58,7 +58,7 @@ from ._routing import (
     route_tunnel,
     split_authority,
 )
-from ._tunnel import NotTLS, client_hello_server_name, relay
+from ._tunnel import HandshakeReader, NotTLS, relay, server_name
 
 MAX_CONCURRENT_REQUESTS = 16
 MAX_BODY_BYTES = 1024 * 1024
@@ -564,22 +564,21 @@ class Gateway:
     async def _check_client_hello(self, stream: trio.SocketStream, origin: Origin, data: bytes) -> tuple[bytes, str]:
         """Read the guest's ClientHello; returns what was read and why the
         tunnel must end ("" if it may go on)."""
+        reader = HandshakeReader()
         with trio.move_on_after(CLIENT_TIMEOUT):
-            while True:
-                try:
-                    whole, name = client_hello_server_name(data)
-                except NotTLS as exc:
-                    return data, f"the tunnel to {origin} does not start with TLS: {exc}"
-                if whole:
-                    break
-                chunk = await stream.receive_some(_READ)
-                if not chunk:
-                    return data, "the guest closed the tunnel before its TLS ClientHello"
-                data += chunk
+            try:
+                chunk = data
+                while (message := reader.feed(chunk)) is None:
+                    chunk = await stream.receive_some(_READ)
+                    if not chunk:
+                        return bytes(reader.data), "the guest closed the tunnel before its TLS ClientHello"
+                name = server_name(message)
+            except NotTLS as exc:
+                return bytes(reader.data), f"the tunnel to {origin} does not start with TLS: {exc}"
             if name == origin.host or (name is None and is_address(origin.host)):
-                return data, ""
-            return data, f"the TLS ClientHello names {name!r}, not {origin.host} (the CONNECT's host)"
-        return data, f"no TLS ClientHello within {CLIENT_TIMEOUT:g}s"
+                return bytes(reader.data), ""
+            return bytes(reader.data), f"the TLS ClientHello names {name!r}, not {origin.host} (the CONNECT's host)"
+        return bytes(reader.data), f"no TLS ClientHello within {CLIENT_TIMEOUT:g}s"
 
     @contextlib.contextmanager
     def _request_slot(self) -> Iterator[None]:

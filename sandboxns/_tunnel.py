@@ -26,29 +26,54 @@ class NotTLS(ValueError):
     """What the guest sent first is not a TLS ClientHello."""
 
 
-def _handshake_message(data: bytes) -> bytes | None:
-    """The first handshake message in TLS records ``data``, once whole
-    (None while more records are needed)."""
-    message = b""
-    position = 0
-    while position + 5 <= len(data):
-        kind, major, length = data[position], data[position + 1], int.from_bytes(data[position + 3 : position + 5])
-        if kind != _HANDSHAKE or major != 3 or length == 0 or length > 2**14:
-            raise NotTLS("not a TLS handshake record")
-        record = data[position + 5 : position + 5 + length]
-        message += record
-        if len(message) >= 4:
-            needed = 4 + int.from_bytes(message[1:4])
-            if message[0] != _CLIENT_HELLO or needed > MAX_CLIENT_HELLO:
-                raise NotTLS("not a TLS ClientHello")
-            if len(message) >= needed:
-                return message[:needed]
-        if len(record) < length:
-            return None  # this record is not all here yet
-        position += 5 + length
-    if len(data) >= 1 and data[0] != _HANDSHAKE:
-        raise NotTLS("not a TLS handshake record")
-    return None
+class HandshakeReader:
+    """The first handshake message in a stream of TLS records, read as the
+    bytes come: each byte is looked at once, however many pieces bring them
+    (reading them all again for each piece would let a guest that sends a
+    byte at a time make the gateway's work grow with the square of what it
+    sends). The message must end where a record ends (RFC 8446, 5.1), and
+    with the records before it fit in MAX_CLIENT_HELLO bytes."""
+
+    def __init__(self, message_type: int = _CLIENT_HELLO) -> None:
+        self.data = bytearray()  # every byte fed
+        self.end = 0  # once the message is whole: where its last record ends in data
+        self._type = message_type
+        self._position = 0  # how much of data has been read
+        self._record_end = 0  # where the record being read ends
+        self._message = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The message, once it is whole, else None. Raises NotTLS as soon
+        as the bytes cannot be one."""
+        self.data += chunk
+        data = self.data
+        while self._position < len(data):
+            if self._position == self._record_end:
+                header = data[self._position : self._position + 5]
+                if header[0] != _HANDSHAKE:
+                    raise NotTLS("not a TLS handshake record")
+                if len(header) < 5:
+                    break
+                length = int.from_bytes(header[3:5])
+                if header[1] != 3 or length == 0 or length > 2**14:
+                    raise NotTLS("not a TLS handshake record")
+                self._position += 5
+                self._record_end = self._position + length
+            taken = min(self._record_end, len(data))
+            self._message += data[self._position : taken]
+            self._position = taken
+            if self._position > MAX_CLIENT_HELLO:
+                raise NotTLS(f"more than {MAX_CLIENT_HELLO // 1024} KiB of records before a whole TLS hello")
+            if len(self._message) >= 4:
+                if self._message[0] != self._type:
+                    raise NotTLS("not the TLS hello expected")
+                needed = 4 + int.from_bytes(self._message[1:4])
+                if len(self._message) > needed or (len(self._message) == needed and taken < self._record_end):
+                    raise NotTLS("a TLS record that goes on past the hello")
+                if len(self._message) == needed:
+                    self.end = self._position
+                    return bytes(self._message)
+        return None
 
 
 class _Reader:
@@ -69,22 +94,17 @@ class _Reader:
         return _Reader(self.take(self.number(length_size)))
 
 
-def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
-    """Read a ClientHello from the first bytes a guest sent into a tunnel:
-    (False, None) while it is not whole yet; (True, the server name it asks
-    for, or None if it names none). Raises NotTLS for anything else."""
-    message = _handshake_message(data)
-    if message is None:
-        if len(data) > MAX_CLIENT_HELLO + 5 * (MAX_CLIENT_HELLO // 2**14 + 1):
-            raise NotTLS("a ClientHello over 64 KiB")
-        return False, None
+def server_name(message: bytes) -> str | None:
+    """The server name a whole ClientHello message asks for (lower case,
+    without a trailing dot), or None if it names none. Raises NotTLS for
+    one that names more than one, or a name that is not ASCII."""
     hello = _Reader(message[4:])
     hello.take(2 + 32)  # version, random
     hello.vector(1)  # session id
     hello.vector(2)  # cipher suites
     hello.vector(1)  # compression methods
     if hello.position == len(hello.data):
-        return True, None  # no extensions at all
+        return None  # no extensions at all
     extensions = hello.vector(2)
     names = []
     while extensions.position < len(extensions.data):
@@ -99,12 +119,21 @@ def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
         if len(names) != 1:
             raise NotTLS("a ClientHello that names more than one server, or none in its server_name")
     if not names:
-        return True, None
+        return None
     try:
         name = names[0].decode("ascii")
     except UnicodeDecodeError:
         raise NotTLS("a server name that is not ASCII") from None
-    return True, name.lower().removesuffix(".")
+    return name.lower().removesuffix(".")
+
+
+def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
+    """Read a ClientHello from the first bytes a guest sent into a tunnel:
+    (False, None) while it is not whole yet; (True, the server name it asks
+    for, or None if it names none). Raises NotTLS for anything else. The
+    same as feeding the bytes to a HandshakeReader in any pieces."""
+    message = HandshakeReader().feed(data)
+    return (False, None) if message is None else (True, server_name(message))
 
 
 async def relay(

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
+import time
 
 import pytest
 import trio
+import trio.testing
 from conftest import SECRET, FirstLine, http, policy_for
 
 import sandboxns
@@ -584,3 +587,59 @@ async def test_one_session_holds_at_most_half_of_the_gateway_requests(nursery, u
         assert refused.startswith(b"HTTP/1.1 503 ") and b"too many" in refused, refused
         a.hold.set()
     assert [answer.split(b" ", 2)[1] for answer in answers] == [b"200"] * 4
+
+
+# CONNECT tunnels, from the host: a guest's TLS through the gateway to an
+# allowed upstream (A over TLS).
+
+
+def tunnel_policy(*upstreams) -> dict:
+    # No headers: a tunnel carries no injected credentials, so none is opened to an origin that gets them.
+    return {"allow": [{"origin": upstream.origin} for upstream in upstreams]}
+
+
+def client_hello(server_hostname: str, alpn: list[str] = ()) -> bytes:
+    """The records of a TLS client's ClientHello."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    outgoing = ssl.MemoryBIO()
+    client = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=server_hostname)
+    with pytest.raises(ssl.SSLWantReadError):
+        client.do_handshake()
+    return outgoing.read()
+
+
+async def open_tunnel(gateway: Gateway, authority: str) -> trio.SocketStream:
+    """A guest's connection to the gateway, through a CONNECT it allowed."""
+    stream = await trio.open_unix_socket(str(gateway.socket_path))
+    await stream.send_all(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    answer = await stream.receive_some()
+    assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n", answer
+    return stream
+
+
+async def test_a_client_hello_sent_in_pieces_costs_the_gateway_little(nursery, upstreams):
+    # A guest may fragment its ClientHello into records of a byte and send
+    # them a byte per read. The gateway read everything it had again at
+    # each read (and copied it): some 40 ms a read here, so one connection
+    # kept the host's event loop, every session's gateway with it, busy for
+    # the 10 s a ClientHello may take. Now it reads each byte once.
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    gateway = Gateway(hub, "pieces", check_network_policy(tunnel_policy(a_tls)))
+    await nursery.start(gateway.run)
+    message = client_hello("localhost", alpn=[f"{i:03}" + "p" * 251 for i in range(39)])[5:]
+    data = b"".join(b"\x16\x03\x01\x00\x01" + message[i : i + 1] for i in range(len(message)))
+    assert 60_000 < len(data) <= 64 * 1024
+    async with hub.audit_records() as records:
+        started = time.process_time()
+        async with await open_tunnel(gateway, a_tls.host) as guest:
+            await guest.send_all(data[:-600])
+            for i in range(len(data) - 600, len(data)):
+                await trio.testing.wait_all_tasks_blocked()
+                await guest.send_all(data[i : i + 1])
+        record = await records.receive()
+        spent = time.process_time() - started
+    assert (record.status, record.reason, record.bytes_in) == (200, "", len(data)), record
+    assert spent < 2, f"{spent:.1f} s of CPU for one ClientHello"
