@@ -58,7 +58,7 @@ from ._routing import (
     route_tunnel,
     split_authority,
 )
-from ._tunnel import HandshakeReader, NotTLS, relay, server_name
+from ._tunnel import HandshakeReader, NotTLS, RetryRequestReader, relay, server_name
 
 MAX_CONCURRENT_REQUESTS = 16
 MAX_BODY_BYTES = 1024 * 1024
@@ -549,36 +549,76 @@ class Gateway:
         upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
         async with upstream:
             await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            reason = ""
-            if origin.scheme == "https":
-                early, reason = await self._check_client_hello(stream, origin, early)
-            sent = received = 0
-            if not reason:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            reason, moved = "", [0, 0]  # bytes passed to the upstream, and to the guest
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                if origin.scheme == "https":
+                    reason, early = await self._start_tls(stream, upstream, origin, early, moved)
+                if not reason:
                     await upstream.send_all(early)
+                    moved[0] += len(early)
                     sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
-                sent += len(early)
+                    moved[0], moved[1] = moved[0] + sent, moved[1] + received
             status = 403 if reason else 200
-            self._audit("CONNECT", str(origin), requested, "", status, sent, received, started, reason)
+            self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
 
-    async def _check_client_hello(self, stream: trio.SocketStream, origin: Origin, data: bytes) -> tuple[bytes, str]:
-        """Read the guest's ClientHello; returns what was read and why the
-        tunnel must end ("" if it may go on)."""
-        reader = HandshakeReader()
+    async def _start_tls(
+        self, stream: trio.SocketStream, upstream: trio.SocketStream, origin: Origin, data: bytes, moved: list[int]
+    ) -> tuple[str, bytes]:
+        """Pass the guest's ClientHello to the upstream once it names the
+        CONNECT's host, and, if the upstream asks for another one (a TLS 1.3
+        HelloRetryRequest), that one once it does too: a server reads the
+        second one's name as well (OpenSSL picks its certificate by it).
+        Until the upstream's answer to the first has come, the guest's next
+        bytes wait. Returns why the tunnel must end ("" if it may go on) and
+        what the guest sent after its hello; counts the bytes passed in
+        ``moved``."""
+        hello = HandshakeReader()
+        reason = await self._client_hello(stream, origin, hello, data, "TLS ClientHello")
+        if reason:
+            return reason, b""
+        await upstream.send_all(hello.data[: hello.end])
+        moved[0] += hello.end
+        retry, asked = RetryRequestReader(), None
+        with trio.move_on_after(TUNNEL_IDLE_TIMEOUT):
+            while asked is None:
+                chunk = await upstream.receive_some(_READ)
+                if not chunk:
+                    break  # the upstream ended; the relay passes that on
+                await stream.send_all(chunk)
+                moved[1] += len(chunk)
+                asked = retry.feed(chunk)
+            if not asked:
+                return "", bytes(hello.data[hello.end :])
+            second = HandshakeReader(after_retry=True)
+            what = "second TLS ClientHello (after the upstream's HelloRetryRequest)"
+            reason = await self._client_hello(stream, origin, second, hello.data[hello.end :], what)
+            if reason:
+                return reason, b""
+            await upstream.send_all(second.data[: second.end])
+            moved[0] += second.end
+            return "", bytes(second.data[second.end :])
+        return f"{origin} did not answer the TLS ClientHello within {TUNNEL_IDLE_TIMEOUT:g}s", b""
+
+    async def _client_hello(
+        self, stream: trio.SocketStream, origin: Origin, reader: HandshakeReader, data: bytes, what: str
+    ) -> str:
+        """Feed ``reader`` the guest's ``data`` and what it sends next until
+        its ClientHello is whole; returns why the tunnel must end ("" if the
+        hello names the CONNECT's host)."""
         with trio.move_on_after(CLIENT_TIMEOUT):
             try:
                 chunk = data
                 while (message := reader.feed(chunk)) is None:
                     chunk = await stream.receive_some(_READ)
                     if not chunk:
-                        return bytes(reader.data), "the guest closed the tunnel before its TLS ClientHello"
+                        return f"the guest closed the tunnel before its {what}"
                 name = server_name(message)
             except NotTLS as exc:
-                return bytes(reader.data), f"the tunnel to {origin} does not start with TLS: {exc}"
+                return f"the tunnel to {origin} does not carry a {what}: {exc}"
             if name == origin.host or (name is None and is_address(origin.host)):
-                return bytes(reader.data), ""
-            return bytes(reader.data), f"the TLS ClientHello names {name!r}, not {origin.host} (the CONNECT's host)"
-        return bytes(reader.data), f"no TLS ClientHello within {CLIENT_TIMEOUT:g}s"
+                return ""
+            return f"the {what} names {name!r}, not {origin.host} (the CONNECT's host)"
+        return f"no {what} within {CLIENT_TIMEOUT:g}s"
 
     @contextlib.contextmanager
     def _request_slot(self) -> Iterator[None]:

@@ -4,6 +4,8 @@ HTTPS (a trustme CA)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import ssl
@@ -598,11 +600,13 @@ def tunnel_policy(*upstreams) -> dict:
     return {"allow": [{"origin": upstream.origin} for upstream in upstreams]}
 
 
-def client_hello(server_hostname: str, alpn: list[str] = ()) -> bytes:
-    """The records of a TLS client's ClientHello."""
+def client_hello(server_hostname: str, alpn: list[str] = (), curve: str | None = None) -> bytes:
+    """The records of a TLS client's ClientHello (its key share for curve)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if alpn:
         context.set_alpn_protocols(alpn)
+    if curve:
+        context.set_ecdh_curve(curve)
     outgoing = ssl.MemoryBIO()
     client = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=server_hostname)
     with pytest.raises(ssl.SSLWantReadError):
@@ -643,3 +647,63 @@ async def test_a_client_hello_sent_in_pieces_costs_the_gateway_little(nursery, u
         spent = time.process_time() - started
     assert (record.status, record.reason, record.bytes_in) == (200, "", len(data)), record
     assert spent < 2, f"{spent:.1f} s of CPU for one ClientHello"
+
+
+@pytest.fixture
+async def retrying_upstream(nursery, ca) -> tuple[int, list[str | None]]:
+    """An https upstream for localhost that asks every client for a second
+    ClientHello: it takes only P-256 keys, and a client's first hello offers
+    an X25519 one (RFC 8446, 4.1.4). Its port, and the server name of every
+    ClientHello it read, in order."""
+    names: list[str | None] = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(context)
+    context.set_ecdh_curve("prime256v1")
+    context.sni_callback = lambda _ssl_object, name, _context: names.append(name)
+
+    async def serve(stream: trio.SSLStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                await stream.do_handshake()
+
+    [listener] = await nursery.start(functools.partial(trio.serve_ssl_over_tcp, serve, 0, context, host="127.0.0.1"))
+    return listener.transport_listener.socket.getsockname()[1], names
+
+
+async def receive_record(stream: trio.SocketStream) -> bytes:
+    """At least the next whole TLS record from stream."""
+    data = b""
+    while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5]):
+        data += await stream.receive_some()
+    return data
+
+
+async def test_a_second_client_hello_after_a_retry_request_must_name_the_host_too(
+    nursery, retrying_upstream, client_context
+):
+    # Answering a HelloRetryRequest, a client sends its ClientHello again,
+    # and a server reads the name in that one too: OpenSSL runs its server
+    # name callback (which picks a certificate, or a site) again. The
+    # gateway passed all but the first hello unread, so a guest could name
+    # the CONNECT's host first and any other after.
+    port, names = retrying_upstream
+    hub = GatewayHub()
+    gateway = Gateway(hub, "retry", check_network_policy({"allow": [{"origin": f"https://localhost:{port}"}]}))
+    await nursery.start(gateway.run)
+    async with hub.audit_records() as records:
+        # A client that answers as TLS says gets through.
+        async with await open_tunnel(gateway, f"localhost:{port}") as guest:
+            tls = trio.SSLStream(guest, client_context, server_hostname="localhost")
+            await tls.do_handshake()
+        assert names == ["localhost", "localhost"]
+        assert (await records.receive()).status == 200
+        # One whose second hello names another server does not.
+        async with await open_tunnel(gateway, f"localhost:{port}") as guest:
+            await guest.send_all(client_hello("localhost"))
+            retry = await receive_record(guest)
+            assert retry[0] == 0x16 and retry[5] == 0x02 and retry[11:43].hex().startswith("cf21ad74"), retry
+            await guest.send_all(client_hello("evil.example", curve="prime256v1"))
+            assert await guest.receive_some() == b""
+        record = await records.receive()
+    assert names == ["localhost", "localhost", "localhost"]
+    assert record.status == 403 and "second TLS ClientHello" in record.reason and "'evil.example'" in record.reason
