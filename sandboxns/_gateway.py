@@ -537,9 +537,8 @@ class Gateway:
     async def _tunnel(
         self, stream: trio.SocketStream, route: AllowedOrigin, early: bytes, started: float, requested: str
     ) -> None:
-        """A CONNECT the policy allows: connect, say so, and relay. A tunnel
-        to an https origin (and every one under "internet") must carry TLS
-        whose ClientHello names the host the CONNECT named."""
+        """A CONNECT the policy allows (to an https origin): connect, say so,
+        and relay TLS whose ClientHello names the host the CONNECT named."""
         origin = route.origin
         if route.injects_credentials:
             # Credentials go only into requests the gateway itself reads.
@@ -551,8 +550,7 @@ class Gateway:
             await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
             reason, moved = "", [0, 0]  # bytes passed to the upstream, and to the guest
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                if origin.scheme == "https":
-                    reason, early = await self._start_tls(stream, upstream, origin, early, moved)
+                reason, early = await self._start_tls(stream, upstream, origin, early, moved)
                 if not reason:
                     await upstream.send_all(early)
                     moved[0] += len(early)

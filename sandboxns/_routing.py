@@ -120,16 +120,22 @@ def route_request(policy: NetworkPolicy, host_header: str, target: str) -> tuple
 
 
 def route_tunnel(policy: NetworkPolicy, authority: str) -> AllowedOrigin:
-    """The route of ``CONNECT host:port``: the entry that covers that host
-    and port, of either scheme (under ``"internet"``, https)."""
+    """The route of ``CONNECT host:port``: the https entry that covers that
+    host and port (under ``"internet"``, any). An http origin is only
+    reached by plain requests, which the gateway reads and rebuilds: a
+    tunnel would carry the guest's own Host header (another site of the
+    same server's), an Upgrade, or no HTTP at all."""
     host, port = split_authority(authority, "CONNECT target")
     if port is None:
         raise Refusal(400, "a CONNECT target is host:port", close=True)
     if policy.kind == "internet":
         return _routed(Origin("https", host, port), None)
     candidates = [a for a in policy.allowed if a.origin.port == port and a.origin.names(host)]
-    entry = _most_specific(candidates, authority)
-    return _routed(Origin(entry.origin.scheme, host, port), entry)
+    tunnelled = [a for a in candidates if a.origin.scheme == "https"]
+    if candidates and not tunnelled:
+        raise Refusal(403, f"http://{authority} is plain HTTP: send its requests through the proxy, not a CONNECT")
+    entry = _most_specific(tunnelled, authority)
+    return _routed(Origin("https", host, port), entry)
 
 
 def is_address(host: str) -> bool:

@@ -707,3 +707,19 @@ async def test_a_second_client_hello_after_a_retry_request_must_name_the_host_to
         record = await records.receive()
     assert names == ["localhost", "localhost", "localhost"]
     assert record.status == 403 and "second TLS ClientHello" in record.reason and "'evil.example'" in record.reason
+
+
+async def test_a_connect_to_an_http_origin_is_refused(nursery, upstreams):
+    # A tunnel to an http origin carried whatever the guest sent, unread:
+    # requests with the Host header of any other site its server serves (a
+    # CDN's other customers), upgrades the gateway refuses in plain
+    # requests, or no HTTP at all. Plain HTTP goes through the proxy as
+    # requests, each one read and rebuilt for the origin it names.
+    a, b, a_tls = upstreams
+    gateway = Gateway(GatewayHub(), "http", check_network_policy(tunnel_policy(a)))
+    await nursery.start(gateway.run)
+    answer = await ask(
+        gateway, f"CONNECT {a.host} HTTP/1.1\r\nHost: {a.host}\r\n\r\n".encode() + http("GET", "/", b.host)
+    )
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"plain HTTP" in answer, answer
+    assert a.connections == b.connections == 0

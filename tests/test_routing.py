@@ -43,9 +43,8 @@ def test_the_most_specific_entry_wins():
     assert route_request(POLICY, "a.example.com:8080", "/")[0].origin.scheme == "http"
 
 
-def test_a_tunnel_is_routed_by_host_and_port():
+def test_a_tunnel_is_routed_by_host_and_port_to_an_https_origin():
     assert str(route_tunnel(POLICY, "a.example.com:443").origin) == "https://a.example.com"
-    assert str(route_tunnel(POLICY, "a.example.com:8080").origin) == "http://a.example.com:8080"
     for authority in (
         "a.example.com",
         "a.example.com:444",
@@ -55,6 +54,10 @@ def test_a_tunnel_is_routed_by_host_and_port():
     ):
         with pytest.raises(Refusal):
             route_tunnel(POLICY, authority)
+    # http://*.example.com:8080 is reached only by plain requests.
+    with pytest.raises(Refusal) as refusal:
+        route_tunnel(POLICY, "a.example.com:8080")
+    assert refusal.value.status == 403 and "plain HTTP" in refusal.value.reason
 
 
 def test_internet_routes_every_origin():
