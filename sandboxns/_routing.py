@@ -147,12 +147,32 @@ def is_address(host: str) -> bool:
     return True
 
 
+# IPv6 addresses that lead to the IPv4 address in their last 32 bits:
+# NAT64's well-known prefix (RFC 6052; on a host behind DNS64, a name with
+# only an A record resolves into it) and SIIT's IPv4-translated ones.
+_CARRY_IPV4 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("::ffff:0:0:0/96"))
+# Never the internet at large, whatever this Python's tables say: NAT64
+# for local use (RFC 8215: the IPv4 address may sit anywhere in it), the
+# deprecated IPv4-compatible ::a.b.c.d, and site-local addresses.
+_NOT_PUBLIC = (
+    ipaddress.IPv6Network("64:ff9b:1::/48"),
+    ipaddress.IPv6Network("::/96"),
+    ipaddress.IPv6Network("fec0::/10"),
+)
+
+
 def is_public(address: IPAddress) -> bool:
     """An address of the internet at large: not loopback, private,
-    link-local, shared, reserved or multicast (an IPv4 address mapped into
-    IPv6 is judged as itself)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    link-local, shared, reserved or multicast. An IPv6 address that leads
+    to an IPv4 one (mapped, NAT64, 6to4, translated) is judged as that."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if any(address in network for network in _NOT_PUBLIC):
+            return False
+        if any(address in network for network in _CARRY_IPV4):
+            return is_public(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+        carried = address.ipv4_mapped or address.sixtofour
+        if carried is not None:
+            return is_public(carried)
     return address.is_global and not address.is_multicast
 
 

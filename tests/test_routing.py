@@ -78,6 +78,23 @@ def test_internet_routes_every_origin():
         ("pypi.org", "::ffff:127.0.0.1", False, False),
         ("pypi.org", "fd00::1", False, False),
         ("pypi.org", "2a04:4e42::223", False, True),
+        # IPv6 addresses that lead to IPv4 ones: NAT64 (a name with only an A
+        # record resolves so behind DNS64), 6to4, IPv4-translated, and
+        # IPv4-compatible; and site-local ones. This Python took them all
+        # for public.
+        ("pypi.org", "64:ff9b::a00:1", False, False),
+        ("pypi.org", "64:ff9b::7f00:1", False, False),
+        ("pypi.org", "64:ff9b::a9fe:a9fe", False, False),
+        ("pypi.org", "64:ff9b::9765:df", False, True),  # 151.101.0.223
+        ("pypi.org", "64:ff9b:1::a00:1", False, False),
+        ("pypi.org", "2002:a00:1::1", False, False),
+        ("pypi.org", "2002:9765:df::1", False, True),
+        ("pypi.org", "::ffff:0:a00:1", False, False),
+        ("pypi.org", "::a00:1", False, False),
+        ("pypi.org", "::7f00:1", False, False),
+        ("pypi.org", "fec0::1", False, False),
+        ("pypi.org", "0.0.0.0", False, False),  # connecting there reaches this host
+        ("pypi.org", "::", False, False),
         ("localhost", "127.0.0.1", True, True),  # the policy names the host's loopback itself
         ("localhost", "127.0.0.1", False, False),
         ("localhost", "10.0.0.1", True, False),
