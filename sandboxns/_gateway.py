@@ -319,9 +319,16 @@ class Gateway:
         self._done = trio.Event()
         self._connections = 0
         self._limiter = trio.CapacityLimiter(hub.session_share)
+        # The cancel scopes of the CONNECT tunnels under way.
+        self._tunnels: set[trio.CancelScope] = set()
 
     def update(self, policy: NetworkPolicy) -> None:
+        """Judge every later request by ``policy``, and end every tunnel
+        opened under an earlier one: a tunnel is one grant, for as long as
+        its connection lives."""
         self.policy = policy
+        for tunnel in self._tunnels:
+            tunnel.cancel()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -545,19 +552,29 @@ class Gateway:
             raise Refusal(
                 403, f"{origin} gets credentials from the policy: send its requests through the proxy as plain HTTP"
             )
-        upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
-        async with upstream:
-            await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            reason, moved = "", [0, 0]  # bytes passed to the upstream, and to the guest
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                reason, early = await self._start_tls(stream, upstream, origin, early, moved)
-                if not reason:
-                    await upstream.send_all(early)
-                    moved[0] += len(early)
-                    sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
-                    moved[0], moved[1] = moved[0] + sent, moved[1] + received
-            status = 403 if reason else 200
-            self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
+        reason, moved, opened = "", [0, 0], False  # moved: bytes passed to the upstream, and to the guest
+        with trio.CancelScope() as tunnel:
+            self._tunnels.add(tunnel)
+            try:
+                upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
+                async with upstream:
+                    await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    opened = True
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        reason, early = await self._start_tls(stream, upstream, origin, early, moved)
+                        if not reason:
+                            await upstream.send_all(early)
+                            moved[0] += len(early)
+                            sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
+                            moved[0], moved[1] = moved[0] + sent, moved[1] + received
+            finally:
+                self._tunnels.discard(tunnel)
+        if tunnel.cancelled_caught:
+            if not opened:
+                raise Refusal(403, "the session's network policy changed while the tunnel was being opened")
+            reason = "the session's network policy changed"
+        status = 403 if reason else 200
+        self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
 
     async def _start_tls(
         self, stream: trio.SocketStream, upstream: trio.SocketStream, origin: Origin, data: bytes, moved: list[int]

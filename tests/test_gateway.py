@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import ssl
 import time
 
@@ -15,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import SECRET, FirstLine, http, policy_for
+from egress_upstreams import start_server
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
@@ -596,8 +598,12 @@ async def test_one_session_holds_at_most_half_of_the_gateway_requests(nursery, u
 
 
 def tunnel_policy(*upstreams) -> dict:
-    # No headers: a tunnel carries no injected credentials, so none is opened to an origin that gets them.
-    return {"allow": [{"origin": upstream.origin} for upstream in upstreams]}
+    return tunnel_policy_for(*(upstream.origin for upstream in upstreams))
+
+
+def tunnel_policy_for(*origins: str) -> dict:
+    # No headers: no tunnel is opened to an origin that gets injected credentials.
+    return {"allow": [{"origin": origin} for origin in origins]}
 
 
 def client_hello(server_hostname: str, alpn: list[str] = (), curve: str | None = None) -> bytes:
@@ -688,7 +694,7 @@ async def test_a_second_client_hello_after_a_retry_request_must_name_the_host_to
     # the CONNECT's host first and any other after.
     port, names = retrying_upstream
     hub = GatewayHub()
-    gateway = Gateway(hub, "retry", check_network_policy({"allow": [{"origin": f"https://localhost:{port}"}]}))
+    gateway = Gateway(hub, "retry", check_network_policy(tunnel_policy_for(f"https://localhost:{port}")))
     await nursery.start(gateway.run)
     async with hub.audit_records() as records:
         # A client that answers as TLS says gets through.
@@ -723,3 +729,57 @@ async def test_a_connect_to_an_http_origin_is_refused(nursery, upstreams):
     )
     assert answer.startswith(b"HTTP/1.1 403 ") and b"plain HTTP" in answer, answer
     assert a.connections == b.connections == 0
+
+
+async def test_a_policy_change_ends_the_tunnels_opened_under_the_old_one(nursery, ca, client_context):
+    # A tunnel is one grant, for as long as its connection lives: it lived
+    # on under a policy that no longer allowed it. (Through a session a
+    # policy changes only while no command runs, so no guest holds one then;
+    # a gateway must not count on that.)
+    async def reply(request):
+        return 200, [], b"ok"
+
+    server = await start_server(nursery, ca, "tunnel.test", reply)
+    hub = GatewayHub()
+    gateway = Gateway(hub, "change", check_network_policy(tunnel_policy_for(f"https://localhost:{server.port}")))
+    await nursery.start(gateway.run)
+    async with hub.audit_records() as records:
+        async with await open_tunnel(gateway, f"localhost:{server.port}") as guest:
+            tls = trio.SSLStream(guest, client_context, server_hostname="localhost")
+            await tls.send_all(http("GET", "/before", "localhost"))
+            answer = b""
+            while not answer.endswith(b"\r\n\r\nok"):
+                answer += await tls.receive_some()
+            gateway.update(check_network_policy(tunnel_policy_for("https://elsewhere.example")))
+            with pytest.raises(trio.BrokenResourceError):
+                await tls.send_all(http("GET", "/after", "localhost"))
+                await tls.receive_some()
+        record = await records.receive()
+    assert [request.path for request in server.requests] == ["/before"]
+    assert record.status == 403 and record.reason == "the session's network policy changed", record
+
+
+async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
+    # An upstream whose accept queue is full: connecting to it waits.
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(3):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        gateway = Gateway(
+            GatewayHub(), "connecting", check_network_policy(tunnel_policy_for(f"https://localhost:{port}"))
+        )
+        await nursery.start(gateway.run)
+        with trio.fail_after(10):  # it used to wait for the kernel to give up connecting
+            async with await trio.open_unix_socket(str(gateway.socket_path)) as guest:
+                await guest.send_all(f"CONNECT localhost:{port} HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n".encode())
+                await trio.testing.wait_all_tasks_blocked()
+                gateway.update(check_network_policy(tunnel_policy_for("https://elsewhere.example")))
+                answer = b""
+                while chunk := await guest.receive_some():
+                    answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"changed while the tunnel was being opened" in answer, answer
