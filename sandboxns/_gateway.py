@@ -628,6 +628,8 @@ class Gateway:
                     if not chunk:
                         return f"the guest closed the tunnel before its {what}"
                 name = server_name(message)
+            except trio.BrokenResourceError:
+                return f"the guest closed the tunnel before its {what}"  # a reset: our answer went unread
             except NotTLS as exc:
                 return f"the tunnel to {origin} does not carry a {what}: {exc}"
             if name == origin.host or (name is None and is_address(origin.host)):

@@ -783,3 +783,45 @@ async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
                 while chunk := await guest.receive_some():
                     answer += chunk
     assert answer.startswith(b"HTTP/1.1 403 ") and b"changed while the tunnel was being opened" in answer, answer
+
+
+async def test_every_tunnel_leaves_an_audit_record_of_what_was_asked_for(nursery, upstreams, client_context):
+    # However it ends: a guest that hung up on an open tunnel before its
+    # ClientHello left no record at all (the error went past the audit).
+    a, b, a_tls = upstreams
+    hub = GatewayHub(client_context)
+    policy = {"allow": [{"origin": a_tls.origin}, {"origin": "https://secret.example", "headers": {"x-key": SECRET}}]}
+    gateway = Gateway(hub, "audit", check_network_policy(policy))
+    await nursery.start(gateway.run)
+    target = a_tls.host
+    async with hub.audit_records() as records:
+        await ask(gateway, http("CONNECT", "secret.example:443", "secret.example:443"))
+        for first in (client_hello("evil.example"), b"GET / HTTP/1.1\r\n\r\n", b""):
+            await ask(gateway, http("CONNECT", target, target) + first)
+        # One that hangs up before its ClientHello, leaving our answer unread
+        # (so the gateway's next read fails: a reset, not an end).
+        guest = await trio.open_unix_socket(str(gateway.socket_path))
+        await guest.send_all(http("CONNECT", target, target) + client_hello("localhost")[:10])
+        await trio.testing.wait_all_tasks_blocked()
+        await guest.aclose()
+        async with await open_tunnel(gateway, target) as guest:
+            await trio.SSLStream(guest, client_context, server_hostname="localhost").do_handshake()
+        seen = [await records.receive() for _ in range(6)]
+    assert [(r.method, r.origin, r.requested) for r in seen] == [
+        ("CONNECT", "https://secret.example", "secret.example:443"),
+        *[("CONNECT", a_tls.origin, target)] * 5,
+    ]
+    assert [r.status for r in seen] == [403, 403, 403, 403, 403, 200], seen
+    for record, reason in zip(
+        seen,
+        [
+            "gets credentials from the policy",
+            "names 'evil.example', not localhost",
+            "does not carry a TLS ClientHello",
+            "the guest closed the tunnel before its TLS ClientHello",
+            "the guest closed the tunnel before its TLS ClientHello",
+            "",
+        ],
+        strict=True,
+    ):
+        assert reason in record.reason and bool(reason) == bool(record.reason), record
