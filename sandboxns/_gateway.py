@@ -556,7 +556,11 @@ class Gateway:
         with trio.CancelScope() as tunnel:
             self._tunnels.add(tunnel)
             try:
-                upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
+                try:
+                    with trio.fail_after(REQUEST_DEADLINE):
+                        upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
+                except trio.TooSlowError:
+                    raise Refusal(504, f"{origin} did not answer within {REQUEST_DEADLINE:g}s") from None
                 async with upstream:
                     await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
                     opened = True

@@ -11,6 +11,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -20,7 +21,7 @@ from egress_upstreams import start_server
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
-from sandboxns._gateway import CLIENT_TIMEOUT, Gateway, GatewayHub
+from sandboxns._gateway import CLIENT_TIMEOUT, REQUEST_DEADLINE, Gateway, GatewayHub
 from sandboxns._network import check_network_policy
 
 pytestmark = pytest.mark.smoke
@@ -759,8 +760,10 @@ async def test_a_policy_change_ends_the_tunnels_opened_under_the_old_one(nursery
     assert record.status == 403 and record.reason == "the session's network policy changed", record
 
 
-async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
-    # An upstream whose accept queue is full: connecting to it waits.
+@contextlib.contextmanager
+def unanswering_upstream() -> Iterator[int]:
+    """The port of a loopback listener whose accept queue is full: the
+    kernel drops the SYNs of a connection to it, which waits."""
     with contextlib.ExitStack() as stack:
         listener = stack.enter_context(socket.socket())
         listener.bind(("127.0.0.1", 0))
@@ -770,19 +773,41 @@ async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
             filler = stack.enter_context(socket.socket())
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", port))
+        yield port
+
+
+async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
+    with unanswering_upstream() as port:
         gateway = Gateway(
             GatewayHub(), "connecting", check_network_policy(tunnel_policy_for(f"https://localhost:{port}"))
         )
         await nursery.start(gateway.run)
         with trio.fail_after(10):  # it used to wait for the kernel to give up connecting
             async with await trio.open_unix_socket(str(gateway.socket_path)) as guest:
-                await guest.send_all(f"CONNECT localhost:{port} HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n".encode())
+                await guest.send_all(http("CONNECT", f"localhost:{port}", f"localhost:{port}"))
                 await trio.testing.wait_all_tasks_blocked()
                 gateway.update(check_network_policy(tunnel_policy_for("https://elsewhere.example")))
                 answer = b""
                 while chunk := await guest.receive_some():
                     answer += chunk
     assert answer.startswith(b"HTTP/1.1 403 ") and b"changed while the tunnel was being opened" in answer, answer
+
+
+async def test_a_tunnel_has_the_request_deadline_to_connect(nursery, autojump_clock):
+    # As a plain request has: a CONNECT waited for the kernel to give up
+    # (two minutes), holding one of the session's connections.
+    with unanswering_upstream() as port:
+        hub = GatewayHub()
+        gateway = Gateway(hub, "slow", check_network_policy(tunnel_policy_for(f"https://localhost:{port}")))
+        await nursery.start(gateway.run)
+        async with hub.audit_records() as records:
+            started = trio.current_time()
+            with trio.fail_after(2 * REQUEST_DEADLINE):
+                answer = await ask(gateway, http("CONNECT", f"localhost:{port}", f"localhost:{port}"))
+            assert answer.startswith(b"HTTP/1.1 504 "), answer
+            assert trio.current_time() - started == pytest.approx(REQUEST_DEADLINE)
+            record = await records.receive()
+    assert (record.status, record.requested) == (504, f"localhost:{port}"), record
 
 
 async def test_every_tunnel_leaves_an_audit_record_of_what_was_asked_for(nursery, upstreams, client_context):
