@@ -850,3 +850,40 @@ async def test_every_tunnel_leaves_an_audit_record_of_what_was_asked_for(nursery
         strict=True,
     ):
         assert reason in record.reason and bool(reason) == bool(record.reason), record
+
+
+# Spellings of the host's loopback (and of this host), as a target: names,
+# address literals, forms of IPv4 the resolver reads (hex, octal, one
+# number, fewer parts), IPv4 in IPv6, zone ids, percent-encoding, dots.
+LOOPBACK_SPELLINGS = [
+    "127.0.0.1", "127.0.0.1.", "127.1", "0x7f.1", "0x7f000001", "2130706433", "0177.0.0.1", "017700000001",
+    "0", "0.0.0.0", "[::1]", "[::]", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "[0:0:0:0:0:ffff:7f00:1]",
+    "[::127.0.0.1]", "[::1%lo]", "[::1%25lo]", "[fe80::1%lo]", "localhost..", "local%68ost", "localhost%2e",
+    "127.0.0.1%2e",
+]  # fmt: skip
+
+
+async def test_no_spelling_of_the_hosts_loopback_reaches_it(nursery, upstreams, client_context):
+    a, b, a_tls = upstreams
+
+    async def answers(policy: object) -> dict[str, bytes]:
+        gateway = Gateway(GatewayHub(client_context), "spellings", check_network_policy(policy))
+        await nursery.start(gateway.run)
+        statuses = {}
+        for host in [*LOOPBACK_SPELLINGS, "localhost", "LOCALHOST", "localhost."]:
+            authority = f"{host}:{a_tls.port}"
+            answer = await ask(gateway, http("CONNECT", authority, authority) + client_hello("localhost"))
+            statuses[host] = answer.split(b" ", 2)[1]
+            answer = await ask(gateway, http("GET", f"http://{host}:{a.port}/", f"{host}:{a.port}"))
+            statuses[f"http://{host}"] = answer.split(b" ", 2)[1]
+        return statuses
+
+    # Under "internet", none: only public addresses, and no literal at all.
+    assert all(status[:1] in b"45" for status in (await answers("internet")).values())
+    assert a.connections == a_tls.connections == 0
+    # A policy that names localhost reaches it by that name alone.
+    named = await answers(tunnel_policy_for(f"https://localhost:{a_tls.port}", f"http://localhost:{a.port}"))
+    assert {host for host, status in named.items() if status[:1] not in b"45"} == {
+        "localhost", "LOCALHOST", "localhost.", "http://localhost", "http://LOCALHOST", "http://localhost.",
+    }  # fmt: skip
+    assert (a.connections, a_tls.connections) == (3, 3)
