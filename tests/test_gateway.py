@@ -21,7 +21,7 @@ from egress_upstreams import start_server
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError
-from sandboxns._gateway import CLIENT_TIMEOUT, REQUEST_DEADLINE, Gateway, GatewayHub
+from sandboxns._gateway import CLIENT_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE, Gateway, GatewayHub
 from sandboxns._network import check_network_policy
 
 pytestmark = pytest.mark.smoke
@@ -621,9 +621,10 @@ def client_hello(server_hostname: str, alpn: list[str] = (), curve: str | None =
     return outgoing.read()
 
 
-async def open_tunnel(gateway: Gateway, authority: str) -> trio.SocketStream:
-    """A guest's connection to the gateway, through a CONNECT it allowed."""
-    stream = await trio.open_unix_socket(str(gateway.socket_path))
+async def open_tunnel(gateway: Gateway, authority: str, stream: trio.SocketStream | None = None) -> trio.SocketStream:
+    """A guest's connection to the gateway (its socket's, unless given),
+    through a CONNECT it allowed."""
+    stream = stream or await trio.open_unix_socket(str(gateway.socket_path))
     await stream.send_all(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
     answer = await stream.receive_some()
     assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n", answer
@@ -887,3 +888,46 @@ async def test_no_spelling_of_the_hosts_loopback_reaches_it(nursery, upstreams, 
         "localhost", "LOCALHOST", "localhost.", "http://localhost", "http://LOCALHOST", "http://localhost.",
     }  # fmt: skip
     assert (a.connections, a_tls.connections) == (3, 3)
+
+
+async def test_tunnels_through_either_door_count_and_leave_nothing_open(nursery, upstreams):
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    gateway = Gateway(hub, "doors", check_network_policy(tunnel_policy(a_tls)))
+    await nursery.start(gateway.run)
+    # The proxy's door: a TCP listener, as a sandbox hands one over.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    proxy = gateway.serve_proxy([listener])
+
+    async def door(i: int) -> trio.SocketStream:
+        if i % 2:
+            return await trio.open_tcp_stream("127.0.0.1", port)
+        return await trio.open_unix_socket(str(gateway.socket_path))
+
+    await trio.testing.wait_all_tasks_blocked()
+    open_files = len(os.listdir("/proc/self/fd"))
+    async with hub.audit_records() as records:
+        # Tunnels waiting for their ClientHello hold all 32 of the session's
+        # connections, half through each door: a 33rd is closed at once.
+        tunnels = [await open_tunnel(gateway, a_tls.host, await door(i)) for i in range(MAX_CONNECTIONS)]
+        for i in range(2):
+            async with await door(i) as extra:
+                assert await extra.receive_some() == b""
+        for tunnel in tunnels:
+            await tunnel.aclose()
+        assert {(await records.receive()).status for _ in tunnels} == {403}
+        # Each freed its connection and its upstream's.
+        for i in range(2):
+            async with await open_tunnel(gateway, a_tls.host, await door(i)):
+                pass
+            assert (await records.receive()).status == 403
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(os.listdir("/proc/self/fd")) == open_files
+    assert a_tls.connections == MAX_CONNECTIONS + 2
+    # Once its scope is cancelled, the proxy's listener is closed.
+    proxy.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert listener.fileno() == -1
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)
