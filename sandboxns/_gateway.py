@@ -95,8 +95,10 @@ _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, er
 # to drain first.
 LINGER_TIMEOUT = 2.0
 LINGER_BYTES = 4 * MAX_BODY_BYTES
-# How long an upstream's resolved address is reused.
+# How long an upstream's resolved address is reused, and for how many
+# upstreams at most (a guest may name any number of them).
 ADDRESS_TTL = 30.0
+MAX_ADDRESSES = 4096
 # A CONNECT tunnel ends when nothing has moved either way for this long.
 TUNNEL_IDLE_TIMEOUT = 60.0
 
@@ -176,6 +178,9 @@ class GatewayHub:
             except OSError as exc:
                 failure = exc
                 continue
+            self._addresses.pop(key, None)
+            if len(self._addresses) >= MAX_ADDRESSES:
+                del self._addresses[next(iter(self._addresses))]  # the oldest
             self._addresses[key] = (address, time.monotonic() + ADDRESS_TTL)
             return stream
         raise Refusal(502, f"cannot connect to {origin}: {failure.strerror or failure}") from None

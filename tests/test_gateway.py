@@ -20,9 +20,9 @@ from conftest import SECRET, FirstLine, http, policy_for
 from egress_upstreams import start_server
 
 import sandboxns
-from sandboxns import ErrorCode, SandboxError
+from sandboxns import ErrorCode, SandboxError, _gateway
 from sandboxns._gateway import CLIENT_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE, Gateway, GatewayHub
-from sandboxns._network import check_network_policy
+from sandboxns._network import Origin, check_network_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -931,3 +931,20 @@ async def test_tunnels_through_either_door_count_and_leave_nothing_open(nursery,
     assert listener.fileno() == -1
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_the_address_cache_keeps_the_newest_entries_only(nursery, monkeypatch):
+    # Every name a guest connected to stayed in the backend's cache of
+    # addresses for good: under "internet", names of a wildcard domain of
+    # one's own made it grow without end.
+    monkeypatch.setattr(_gateway, "MAX_ADDRESSES", 2)
+    hub = GatewayHub()
+    ports = []
+    for _ in range(4):
+        with trio.socket.socket() as listener:
+            await listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            ports.append(listener.getsockname()[1])
+            await (await hub.connect(Origin("https", "localhost", ports[-1]), named=True)).aclose()
+    assert len(hub._addresses) == 2
+    assert ("localhost", ports[-1]) in hub._addresses
