@@ -561,12 +561,7 @@ class Gateway:
         with trio.CancelScope() as tunnel:
             self._tunnels.add(tunnel)
             try:
-                try:
-                    with trio.fail_after(REQUEST_DEADLINE):
-                        upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
-                except trio.TooSlowError:
-                    raise Refusal(504, f"{origin} did not answer within {REQUEST_DEADLINE:g}s") from None
-                async with upstream:
+                async with await self._connect(origin) as upstream:
                     await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
                     opened = True
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -584,6 +579,15 @@ class Gateway:
             reason = "the session's network policy changed"
         status = 403 if reason else 200
         self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
+
+    async def _connect(self, origin: Origin) -> trio.SocketStream:
+        """A connection to a tunnel's upstream, made within the request
+        deadline (as a plain request's is)."""
+        try:
+            with trio.fail_after(REQUEST_DEADLINE):
+                return await self._hub.connect(origin, names_itself(self.policy, origin))
+        except trio.TooSlowError:
+            raise Refusal(504, f"{origin} did not answer within {REQUEST_DEADLINE:g}s") from None
 
     async def _start_tls(
         self, stream: trio.SocketStream, upstream: trio.SocketStream, origin: Origin, data: bytes, moved: list[int]

@@ -28,7 +28,7 @@ _READ = 65536
 
 
 class NotTLS(ValueError):
-    """What the guest sent first is not a TLS ClientHello."""
+    """What came is not the TLS hello expected (a guest's ClientHello)."""
 
 
 class HandshakeReader:
