@@ -948,3 +948,21 @@ async def test_the_address_cache_keeps_the_newest_entries_only(nursery, monkeypa
             await (await hub.connect(Origin("https", "localhost", ports[-1]), named=True)).aclose()
     assert len(hub._addresses) == 2
     assert ("localhost", ports[-1]) in hub._addresses
+
+
+async def test_a_cached_address_is_judged_for_each_session_again(nursery, upstreams):
+    # The backend's sessions share the addresses it resolved: one whose
+    # policy names localhost leaves the loopback address of localhost there,
+    # which a session under "internet" must still not reach.
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    named = Gateway(hub, "named", check_network_policy(tunnel_policy(a_tls)))
+    internet = Gateway(hub, "internet", check_network_policy("internet"))
+    for gateway in (named, internet):
+        await nursery.start(gateway.run)
+    async with await open_tunnel(named, a_tls.host):
+        pass
+    assert ("localhost", a_tls.port) in hub._addresses
+    answer = await ask(internet, http("CONNECT", a_tls.host, a_tls.host) + client_hello("localhost"))
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"not a public address" in answer, answer
+    assert a_tls.connections == 1

@@ -51,6 +51,10 @@ def test_a_tunnel_is_routed_by_host_and_port_to_an_https_origin():
         "example.com:443",
         "a.example.com:443#x",
         "@a.example.com:443",
+        "user@a.example.com:443",
+        "user:pass@a.example.com:443",
+        "a.example.com:443/x",
+        "https://a.example.com:443",
     ):
         with pytest.raises(Refusal):
             route_tunnel(POLICY, authority)
