@@ -625,7 +625,7 @@ async def open_tunnel(gateway: Gateway, authority: str, stream: trio.SocketStrea
     """A guest's connection to the gateway (its socket's, unless given),
     through a CONNECT it allowed."""
     stream = stream or await trio.open_unix_socket(str(gateway.socket_path))
-    await stream.send_all(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    await stream.send_all(http("CONNECT", authority, authority))
     answer = await stream.receive_some()
     assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n", answer
     return stream
@@ -726,9 +726,7 @@ async def test_a_connect_to_an_http_origin_is_refused(nursery, upstreams):
     a, b, a_tls = upstreams
     gateway = Gateway(GatewayHub(), "http", check_network_policy(tunnel_policy(a)))
     await nursery.start(gateway.run)
-    answer = await ask(
-        gateway, f"CONNECT {a.host} HTTP/1.1\r\nHost: {a.host}\r\n\r\n".encode() + http("GET", "/", b.host)
-    )
+    answer = await ask(gateway, http("CONNECT", a.host, a.host) + http("GET", "/", b.host))
     assert answer.startswith(b"HTTP/1.1 403 ") and b"plain HTTP" in answer, answer
     assert a.connections == b.connections == 0
 
