@@ -68,7 +68,7 @@ from ._routing import (
     route_within,
     split_authority,
 )
-from ._tunnel import NotTLS, client_hello_server_name, relay
+from ._tunnel import HandshakeReader, NotTLS, RetryRequestReader, relay, server_name
 
 MAX_CONCURRENT_REQUESTS = 16
 MAX_BODY_BYTES = 1024 * 1024
@@ -105,8 +105,10 @@ _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, er
 # to drain first.
 LINGER_TIMEOUT = 2.0
 LINGER_BYTES = 4 * MAX_BODY_BYTES
-# How long an upstream's resolved address is reused.
+# How long an upstream's resolved address is reused, and for how many
+# upstreams at most (a guest may name any number of them).
 ADDRESS_TTL = 30.0
+MAX_ADDRESSES = 4096
 # A CONNECT tunnel ends when nothing has moved either way for this long.
 TUNNEL_IDLE_TIMEOUT = 60.0
 
@@ -186,6 +188,9 @@ class GatewayHub:
             except OSError as exc:
                 failure = exc
                 continue
+            self._addresses.pop(key, None)
+            if len(self._addresses) >= MAX_ADDRESSES:
+                del self._addresses[next(iter(self._addresses))]  # the oldest
             self._addresses[key] = (address, time.monotonic() + ADDRESS_TTL)
             return stream
         raise Refusal(502, f"cannot connect to {origin}: {failure.strerror or failure}") from None
@@ -329,15 +334,22 @@ class Gateway:
         self._done = trio.Event()
         self._connections = 0
         self._limiter = trio.CapacityLimiter(hub.session_share)
+        # The cancel scopes of the CONNECT tunnels under way.
+        self._tunnels: set[trio.CancelScope] = set()
         self._authority: SessionAuthority | None = None
         self.update(policy)
 
     def update(self, policy: NetworkPolicy) -> None:
+        """Judge every later request by ``policy``, and end every tunnel
+        opened under an earlier one: a tunnel is one grant, for as long as
+        its connection lives."""
         if policy.intercepts and self._authority is None:
             # Made when first needed, and kept: the guest may already trust it.
             self._authority = SessionAuthority(self.session_id)
             self._authority.write_bundle(self.directory)
         self.policy = policy
+        for tunnel in self._tunnels:
+            tunnel.cancel()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -561,78 +573,139 @@ class Gateway:
     async def _tunnel(
         self, stream: trio.SocketStream, route: AllowedOrigin, early: bytes, started: float, requested: str
     ) -> None:
-        """A CONNECT the policy allows: connect, say so, and relay. A tunnel
-        to an https origin (and every one under "internet") must carry TLS
-        whose ClientHello names the host the CONNECT named."""
+        """A CONNECT the policy allows (to an https origin): connect, say so,
+        and relay TLS whose ClientHello names the host the CONNECT named."""
         origin = route.origin
         if route.injects_credentials:
             # Credentials go only into requests the gateway itself reads.
-            if origin.scheme != "https" or self._authority is None:
-                raise Refusal(
-                    403, f"{origin} gets credentials from the policy: send its requests through the proxy as plain HTTP"
-                )
+            # An https origin's requests are read inside the tunnel: the
+            # gateway answers it with the session's CA (see _intercept.py).
             await self._intercept(stream, route, early, started, requested)
             return
-        upstream = await self._hub.connect(origin, names_itself(self.policy, origin))
-        async with upstream:
-            await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            reason = ""
-            if origin.scheme == "https":
-                early, reason = await self._check_client_hello(stream, origin, early)
-            sent = received = 0
-            if not reason:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await upstream.send_all(early)
-                    sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
-                sent += len(early)
-            status = 403 if reason else 200
-            self._audit("CONNECT", str(origin), requested, "", status, sent, received, started, reason)
+        reason, moved, opened = "", [0, 0], False  # moved: bytes passed to the upstream, and to the guest
+        with trio.CancelScope() as tunnel:
+            self._tunnels.add(tunnel)
+            try:
+                async with await self._connect(origin) as upstream:
+                    await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    opened = True
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        reason, early = await self._start_tls(stream, upstream, origin, early, moved)
+                        if not reason:
+                            await upstream.send_all(early)
+                            moved[0] += len(early)
+                            sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
+                            moved[0], moved[1] = moved[0] + sent, moved[1] + received
+            finally:
+                self._tunnels.discard(tunnel)
+        if tunnel.cancelled_caught:
+            if not opened:
+                raise Refusal(403, "the session's network policy changed while the tunnel was being opened")
+            reason = "the session's network policy changed"
+        status = 403 if reason else 200
+        self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
 
     async def _intercept(
         self, stream: trio.SocketStream, route: AllowedOrigin, early: bytes, started: float, requested: str
     ) -> None:
-        """A tunnel to an origin that gets credentials: the gateway is its
-        far end, with a certificate from the session's CA, and serves the
+        """A tunnel to an https origin that gets credentials: the gateway is
+        its far end, with a certificate from the session's CA, and serves the
         requests in it as it serves plain ones (each sent on over its own
         verified TLS, with the policy's headers)."""
         origin = route.origin
         await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
-        early, reason = await self._check_client_hello(stream, origin, early)
+        hello = HandshakeReader()
+        reason = await self._client_hello(stream, origin, hello, early, "TLS ClientHello")
         self._audit(
             "CONNECT", str(origin), requested, "", 403 if reason else 200, 0, 0, started, reason or "intercepted"
         )
         if reason:
             return
         context = self._authority.server_context(origin.host)
-        guest = trio.SSLStream(_Replayed(stream, early), context, server_side=True, https_compatible=True)
-        try:
-            with trio.fail_after(CLIENT_TIMEOUT):
-                await guest.do_handshake()
-            await self._requests(guest, within=route)
-        except (trio.BrokenResourceError, trio.TooSlowError):
-            return  # the guest gave up on the handshake (it may not trust the CA), or went away
-        finally:
-            await trio.aclose_forcefully(guest)
+        guest = trio.SSLStream(_Replayed(stream, bytes(hello.data)), context, server_side=True, https_compatible=True)
+        # Its requests are judged by the route of the policy it was opened
+        # under: a new policy ends it, as it ends a blind tunnel.
+        with trio.CancelScope() as tunnel:
+            self._tunnels.add(tunnel)
+            try:
+                with trio.fail_after(CLIENT_TIMEOUT):
+                    await guest.do_handshake()
+                await self._requests(guest, within=route)
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                pass  # the guest gave up on the handshake (it may not trust the CA), or went away
+            finally:
+                self._tunnels.discard(tunnel)
+                await trio.aclose_forcefully(guest)
 
-    async def _check_client_hello(self, stream: trio.SocketStream, origin: Origin, data: bytes) -> tuple[bytes, str]:
-        """Read the guest's ClientHello; returns what was read and why the
-        tunnel must end ("" if it may go on)."""
-        with trio.move_on_after(CLIENT_TIMEOUT):
-            while True:
-                try:
-                    whole, name = client_hello_server_name(data)
-                except NotTLS as exc:
-                    return data, f"the tunnel to {origin} does not start with TLS: {exc}"
-                if whole:
-                    break
-                chunk = await stream.receive_some(_READ)
+    async def _connect(self, origin: Origin) -> trio.SocketStream:
+        """A connection to a tunnel's upstream, made within the request
+        deadline (as a plain request's is)."""
+        try:
+            with trio.fail_after(REQUEST_DEADLINE):
+                return await self._hub.connect(origin, names_itself(self.policy, origin))
+        except trio.TooSlowError:
+            raise Refusal(504, f"{origin} did not answer within {REQUEST_DEADLINE:g}s") from None
+
+    async def _start_tls(
+        self, stream: trio.SocketStream, upstream: trio.SocketStream, origin: Origin, data: bytes, moved: list[int]
+    ) -> tuple[str, bytes]:
+        """Pass the guest's ClientHello to the upstream once it names the
+        CONNECT's host, and, if the upstream asks for another one (a TLS 1.3
+        HelloRetryRequest), that one once it does too: a server reads the
+        second one's name as well (OpenSSL picks its certificate by it).
+        Until the upstream's answer to the first has come, the guest's next
+        bytes wait. Returns why the tunnel must end ("" if it may go on) and
+        what the guest sent after its hello; counts the bytes passed in
+        ``moved``."""
+        hello = HandshakeReader()
+        reason = await self._client_hello(stream, origin, hello, data, "TLS ClientHello")
+        if reason:
+            return reason, b""
+        await upstream.send_all(hello.data[: hello.end])
+        moved[0] += hello.end
+        retry, asked = RetryRequestReader(), None
+        with trio.move_on_after(TUNNEL_IDLE_TIMEOUT):
+            while asked is None:
+                chunk = await upstream.receive_some(_READ)
                 if not chunk:
-                    return data, "the guest closed the tunnel before its TLS ClientHello"
-                data += chunk
+                    break  # the upstream ended; the relay passes that on
+                await stream.send_all(chunk)
+                moved[1] += len(chunk)
+                asked = retry.feed(chunk)
+            if not asked:
+                return "", bytes(hello.data[hello.end :])
+            second = HandshakeReader(after_retry=True)
+            what = "second TLS ClientHello (after the upstream's HelloRetryRequest)"
+            reason = await self._client_hello(stream, origin, second, hello.data[hello.end :], what)
+            if reason:
+                return reason, b""
+            await upstream.send_all(second.data[: second.end])
+            moved[0] += second.end
+            return "", bytes(second.data[second.end :])
+        return f"{origin} did not answer the TLS ClientHello within {TUNNEL_IDLE_TIMEOUT:g}s", b""
+
+    async def _client_hello(
+        self, stream: trio.SocketStream, origin: Origin, reader: HandshakeReader, data: bytes, what: str
+    ) -> str:
+        """Feed ``reader`` the guest's ``data`` and what it sends next until
+        its ClientHello is whole; returns why the tunnel must end ("" if the
+        hello names the CONNECT's host)."""
+        with trio.move_on_after(CLIENT_TIMEOUT):
+            try:
+                chunk = data
+                while (message := reader.feed(chunk)) is None:
+                    chunk = await stream.receive_some(_READ)
+                    if not chunk:
+                        return f"the guest closed the tunnel before its {what}"
+                name = server_name(message)
+            except trio.BrokenResourceError:
+                return f"the guest closed the tunnel before its {what}"  # a reset: our answer went unread
+            except NotTLS as exc:
+                return f"the tunnel to {origin} does not carry a {what}: {exc}"
             if name == origin.host or (name is None and is_address(origin.host)):
-                return data, ""
-            return data, f"the TLS ClientHello names {name!r}, not {origin.host} (the CONNECT's host)"
-        return data, f"no TLS ClientHello within {CLIENT_TIMEOUT:g}s"
+                return ""
+            return f"the {what} names {name!r}, not {origin.host} (the CONNECT's host)"
+        return f"no {what} within {CLIENT_TIMEOUT:g}s"
 
     @contextlib.contextmanager
     def _request_slot(self) -> Iterator[None]:

@@ -120,16 +120,22 @@ def route_request(policy: NetworkPolicy, host_header: str, target: str) -> tuple
 
 
 def route_tunnel(policy: NetworkPolicy, authority: str) -> AllowedOrigin:
-    """The route of ``CONNECT host:port``: the entry that covers that host
-    and port, of either scheme (under ``"internet"``, https)."""
+    """The route of ``CONNECT host:port``: the https entry that covers that
+    host and port (under ``"internet"``, any). An http origin is only
+    reached by plain requests, which the gateway reads and rebuilds: a
+    tunnel would carry the guest's own Host header (another site of the
+    same server's), an Upgrade, or no HTTP at all."""
     host, port = split_authority(authority, "CONNECT target")
     if port is None:
         raise Refusal(400, "a CONNECT target is host:port", close=True)
     if policy.kind == "internet":
         return _routed(Origin("https", host, port), None)
     candidates = [a for a in policy.allowed if a.origin.port == port and a.origin.names(host)]
-    entry = _most_specific(candidates, authority)
-    return _routed(Origin(entry.origin.scheme, host, port), entry)
+    tunnelled = [a for a in candidates if a.origin.scheme == "https"]
+    if candidates and not tunnelled:
+        raise Refusal(403, f"http://{authority} is plain HTTP: send its requests through the proxy, not a CONNECT")
+    entry = _most_specific(tunnelled, authority)
+    return _routed(Origin("https", host, port), entry)
 
 
 def is_address(host: str) -> bool:
@@ -141,12 +147,32 @@ def is_address(host: str) -> bool:
     return True
 
 
+# IPv6 addresses that lead to the IPv4 address in their last 32 bits:
+# NAT64's well-known prefix (RFC 6052; on a host behind DNS64, a name with
+# only an A record resolves into it) and SIIT's IPv4-translated ones.
+_CARRY_IPV4 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("::ffff:0:0:0/96"))
+# Never the internet at large, whatever this Python's tables say: NAT64
+# for local use (RFC 8215: the IPv4 address may sit anywhere in it), the
+# deprecated IPv4-compatible ::a.b.c.d, and site-local addresses.
+_NOT_PUBLIC = (
+    ipaddress.IPv6Network("64:ff9b:1::/48"),
+    ipaddress.IPv6Network("::/96"),
+    ipaddress.IPv6Network("fec0::/10"),
+)
+
+
 def is_public(address: IPAddress) -> bool:
     """An address of the internet at large: not loopback, private,
-    link-local, shared, reserved or multicast (an IPv4 address mapped into
-    IPv6 is judged as itself)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    link-local, shared, reserved or multicast. An IPv6 address that leads
+    to an IPv4 one (mapped, NAT64, 6to4, translated) is judged as that."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if any(address in network for network in _NOT_PUBLIC):
+            return False
+        if any(address in network for network in _CARRY_IPV4):
+            return is_public(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+        carried = address.ipv4_mapped or address.sixtofour
+        if carried is not None:
+            return is_public(carried)
     return address.is_global and not address.is_multicast
 
 

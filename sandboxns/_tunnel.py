@@ -5,7 +5,9 @@ gateway sees no plaintext, only the handshake's first message, which names
 the server the guest wants (SNI). A tunnel to an allowed host whose
 ClientHello names another one is domain fronting (a CDN routes by SNI or by
 the encrypted Host header, not by the address connected to), so the gateway
-reads the ClientHello before anything reaches the upstream.
+reads the ClientHello before anything reaches the upstream; and a second
+one, when the upstream answers the first with a HelloRetryRequest (TLS
+1.3), as servers read the name in that one too.
 """
 
 from __future__ import annotations
@@ -15,40 +17,98 @@ import trio
 # A ClientHello is one handshake message, in as many records as it needs;
 # real ones are a few hundred bytes to a few KiB (post-quantum key shares).
 MAX_CLIENT_HELLO = 64 * 1024
-_HANDSHAKE = 0x16
-_CLIENT_HELLO = 0x01
+_CHANGE_CIPHER_SPEC, _HANDSHAKE, _APPLICATION_DATA = 0x14, 0x16, 0x17
+_CLIENT_HELLO, _SERVER_HELLO = 0x01, 0x02
+# A ServerHello with this random asks for another ClientHello: a
+# HelloRetryRequest (RFC 8446, 4.1.3).
+_RETRY_RANDOM = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")
 _SERVER_NAME = 0x0000
 _HOST_NAME = 0x00
 _READ = 65536
 
 
 class NotTLS(ValueError):
-    """What the guest sent first is not a TLS ClientHello."""
+    """What came is not the TLS hello expected (a guest's ClientHello)."""
 
 
-def _handshake_message(data: bytes) -> bytes | None:
-    """The first handshake message in TLS records ``data``, once whole
-    (None while more records are needed)."""
-    message = b""
-    position = 0
-    while position + 5 <= len(data):
-        kind, major, length = data[position], data[position + 1], int.from_bytes(data[position + 3 : position + 5])
-        if kind != _HANDSHAKE or major != 3 or length == 0 or length > 2**14:
-            raise NotTLS("not a TLS handshake record")
-        record = data[position + 5 : position + 5 + length]
-        message += record
-        if len(message) >= 4:
-            needed = 4 + int.from_bytes(message[1:4])
-            if message[0] != _CLIENT_HELLO or needed > MAX_CLIENT_HELLO:
-                raise NotTLS("not a TLS ClientHello")
-            if len(message) >= needed:
-                return message[:needed]
-        if len(record) < length:
-            return None  # this record is not all here yet
-        position += 5 + length
-    if len(data) >= 1 and data[0] != _HANDSHAKE:
-        raise NotTLS("not a TLS handshake record")
-    return None
+class HandshakeReader:
+    """The first handshake message in a stream of TLS records, read as the
+    bytes come: each byte is looked at once, however many pieces bring them
+    (reading them all again for each piece would let a guest that sends a
+    byte at a time make the gateway's work grow with the square of what it
+    sends). The message must end where a record ends (RFC 8446, 5.1), and
+    with the records before it fit in MAX_CLIENT_HELLO bytes.
+
+    ``after_retry``: the message is a client's second ClientHello, which
+    change_cipher_spec and early data records (TLS 1.3) may precede."""
+
+    def __init__(self, message_type: int = _CLIENT_HELLO, after_retry: bool = False) -> None:
+        self.data = bytearray()  # every byte fed
+        self.message = bytearray()  # what of the message has come
+        self.end = 0  # once the message is whole: where its last record ends in data
+        self._type = message_type
+        self._skipped = (_CHANGE_CIPHER_SPEC, _APPLICATION_DATA) if after_retry else ()
+        self._position = 0  # how much of data has been read
+        self._record_end = 0  # where the record being read ends
+        self._skipping = False  # whether that record is one of those skipped
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The message, once it is whole, else None. Raises NotTLS as soon
+        as the bytes cannot be one."""
+        self.data += chunk
+        data = self.data
+        while self._position < len(data):
+            if self._position == self._record_end:
+                header = data[self._position : self._position + 5]
+                self._skipping = header[0] in self._skipped and not self.message
+                if header[0] != _HANDSHAKE and not self._skipping:
+                    raise NotTLS("not a TLS handshake record")
+                if len(header) < 5:
+                    break
+                length = int.from_bytes(header[3:5])
+                # An encrypted record may be 256 bytes over a plain one's limit.
+                if header[1] != 3 or length == 0 or length > 2**14 + (256 if self._skipping else 0):
+                    raise NotTLS("not a TLS handshake record")
+                self._position += 5
+                self._record_end = self._position + length
+            taken = min(self._record_end, len(data))
+            if not self._skipping:
+                self.message += data[self._position : taken]
+            self._position = taken
+            if self._position > MAX_CLIENT_HELLO:
+                raise NotTLS(f"more than {MAX_CLIENT_HELLO // 1024} KiB of records before a whole TLS hello")
+            if len(self.message) >= 4:
+                if self.message[0] != self._type:
+                    raise NotTLS("not the TLS hello expected")
+                needed = 4 + int.from_bytes(self.message[1:4])
+                if len(self.message) > needed or (len(self.message) == needed and taken < self._record_end):
+                    raise NotTLS("a TLS record that goes on past the hello")
+                if len(self.message) == needed:
+                    self.end = self._position
+                    return bytes(self.message)
+        return None
+
+
+class RetryRequestReader:
+    """Whether an upstream's first handshake message is a HelloRetryRequest,
+    read as its bytes come."""
+
+    def __init__(self) -> None:
+        self._records = HandshakeReader(_SERVER_HELLO)
+
+    def feed(self, chunk: bytes) -> bool | None:
+        """True or False once known; None until enough bytes have come."""
+        try:
+            ended = self._records.feed(chunk) is not None
+        except NotTLS:
+            # No more of a ServerHello comes (the upstream sent an alert, or
+            # more in its record): what came decides. The rest of its TLS is
+            # for the guest to judge.
+            ended = True
+        start = self._records.message[:38]  # type, length, version, random
+        if len(start) < 38 and not ended:
+            return None
+        return start[:1] == bytes([_SERVER_HELLO]) and start[6:] == _RETRY_RANDOM
 
 
 class _Reader:
@@ -69,22 +129,17 @@ class _Reader:
         return _Reader(self.take(self.number(length_size)))
 
 
-def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
-    """Read a ClientHello from the first bytes a guest sent into a tunnel:
-    (False, None) while it is not whole yet; (True, the server name it asks
-    for, or None if it names none). Raises NotTLS for anything else."""
-    message = _handshake_message(data)
-    if message is None:
-        if len(data) > MAX_CLIENT_HELLO + 5 * (MAX_CLIENT_HELLO // 2**14 + 1):
-            raise NotTLS("a ClientHello over 64 KiB")
-        return False, None
+def server_name(message: bytes) -> str | None:
+    """The server name a whole ClientHello message asks for (lower case,
+    without a trailing dot), or None if it names none. Raises NotTLS for
+    one that names more than one, or a name that is not ASCII."""
     hello = _Reader(message[4:])
     hello.take(2 + 32)  # version, random
     hello.vector(1)  # session id
     hello.vector(2)  # cipher suites
     hello.vector(1)  # compression methods
     if hello.position == len(hello.data):
-        return True, None  # no extensions at all
+        return None  # no extensions at all
     extensions = hello.vector(2)
     names = []
     while extensions.position < len(extensions.data):
@@ -99,12 +154,21 @@ def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
         if len(names) != 1:
             raise NotTLS("a ClientHello that names more than one server, or none in its server_name")
     if not names:
-        return True, None
+        return None
     try:
         name = names[0].decode("ascii")
     except UnicodeDecodeError:
         raise NotTLS("a server name that is not ASCII") from None
-    return True, name.lower().removesuffix(".")
+    return name.lower().removesuffix(".")
+
+
+def client_hello_server_name(data: bytes) -> tuple[bool, str | None]:
+    """Read a ClientHello from the first bytes a guest sent into a tunnel:
+    (False, None) while it is not whole yet; (True, the server name it asks
+    for, or None if it names none). Raises NotTLS for anything else. The
+    same as feeding the bytes to a HandshakeReader in any pieces."""
+    message = HandshakeReader().feed(data)
+    return (False, None) if message is None else (True, server_name(message))
 
 
 async def relay(

@@ -4,17 +4,25 @@ HTTPS (a trustme CA)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import socket
+import ssl
+import time
+from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.testing
 from conftest import SECRET, FirstLine, http, policy_for
+from egress_upstreams import start_server
 
 import sandboxns
-from sandboxns import ErrorCode, SandboxError
-from sandboxns._gateway import CLIENT_TIMEOUT, Gateway, GatewayHub
-from sandboxns._network import check_network_policy
+from sandboxns import ErrorCode, SandboxError, _gateway
+from sandboxns._gateway import CLIENT_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE, Gateway, GatewayHub
+from sandboxns._network import Origin, check_network_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -584,3 +592,376 @@ async def test_one_session_holds_at_most_half_of_the_gateway_requests(nursery, u
         assert refused.startswith(b"HTTP/1.1 503 ") and b"too many" in refused, refused
         a.hold.set()
     assert [answer.split(b" ", 2)[1] for answer in answers] == [b"200"] * 4
+
+
+# CONNECT tunnels, from the host: a guest's TLS through the gateway to an
+# allowed upstream (A over TLS).
+
+
+def tunnel_policy(*upstreams) -> dict:
+    return tunnel_policy_for(*(upstream.origin for upstream in upstreams))
+
+
+def tunnel_policy_for(*origins: str) -> dict:
+    # No headers: no tunnel is opened to an origin that gets injected credentials.
+    return {"allow": [{"origin": origin} for origin in origins]}
+
+
+def client_hello(server_hostname: str, alpn: list[str] = (), curve: str | None = None) -> bytes:
+    """The records of a TLS client's ClientHello (its key share for curve)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    if curve:
+        context.set_ecdh_curve(curve)
+    outgoing = ssl.MemoryBIO()
+    client = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=server_hostname)
+    with pytest.raises(ssl.SSLWantReadError):
+        client.do_handshake()
+    return outgoing.read()
+
+
+async def open_tunnel(gateway: Gateway, authority: str, stream: trio.SocketStream | None = None) -> trio.SocketStream:
+    """A guest's connection to the gateway (its socket's, unless given),
+    through a CONNECT it allowed."""
+    stream = stream or await trio.open_unix_socket(str(gateway.socket_path))
+    await stream.send_all(http("CONNECT", authority, authority))
+    answer = await stream.receive_some()
+    assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n", answer
+    return stream
+
+
+async def test_a_client_hello_sent_in_pieces_costs_the_gateway_little(nursery, upstreams):
+    # A guest may fragment its ClientHello into records of a byte and send
+    # them a byte per read. The gateway read everything it had again at
+    # each read (and copied it): some 40 ms a read here, so one connection
+    # kept the host's event loop, every session's gateway with it, busy for
+    # the 10 s a ClientHello may take. Now it reads each byte once.
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    gateway = Gateway(hub, "pieces", check_network_policy(tunnel_policy(a_tls)))
+    await nursery.start(gateway.run)
+    message = client_hello("localhost", alpn=[f"{i:03}" + "p" * 251 for i in range(39)])[5:]
+    data = b"".join(b"\x16\x03\x01\x00\x01" + message[i : i + 1] for i in range(len(message)))
+    assert 60_000 < len(data) <= 64 * 1024
+    async with hub.audit_records() as records:
+        started = time.process_time()
+        async with await open_tunnel(gateway, a_tls.host) as guest:
+            await guest.send_all(data[:-600])
+            for i in range(len(data) - 600, len(data)):
+                await trio.testing.wait_all_tasks_blocked()
+                await guest.send_all(data[i : i + 1])
+        record = await records.receive()
+        spent = time.process_time() - started
+    assert (record.status, record.reason, record.bytes_in) == (200, "", len(data)), record
+    assert spent < 2, f"{spent:.1f} s of CPU for one ClientHello"
+
+
+@pytest.fixture
+async def retrying_upstream(nursery, ca) -> tuple[int, list[str | None]]:
+    """An https upstream for localhost that asks every client for a second
+    ClientHello: it takes only P-256 keys, and a client's first hello offers
+    an X25519 one (RFC 8446, 4.1.4). Its port, and the server name of every
+    ClientHello it read, in order."""
+    names: list[str | None] = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(context)
+    context.set_ecdh_curve("prime256v1")
+    context.sni_callback = lambda _ssl_object, name, _context: names.append(name)
+
+    async def serve(stream: trio.SSLStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                await stream.do_handshake()
+
+    [listener] = await nursery.start(functools.partial(trio.serve_ssl_over_tcp, serve, 0, context, host="127.0.0.1"))
+    return listener.transport_listener.socket.getsockname()[1], names
+
+
+async def receive_record(stream: trio.SocketStream) -> bytes:
+    """At least the next whole TLS record from stream."""
+    data = b""
+    while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5]):
+        data += await stream.receive_some()
+    return data
+
+
+async def test_a_second_client_hello_after_a_retry_request_must_name_the_host_too(
+    nursery, retrying_upstream, client_context
+):
+    # Answering a HelloRetryRequest, a client sends its ClientHello again,
+    # and a server reads the name in that one too: OpenSSL runs its server
+    # name callback (which picks a certificate, or a site) again. The
+    # gateway passed all but the first hello unread, so a guest could name
+    # the CONNECT's host first and any other after.
+    port, names = retrying_upstream
+    hub = GatewayHub()
+    gateway = Gateway(hub, "retry", check_network_policy(tunnel_policy_for(f"https://localhost:{port}")))
+    await nursery.start(gateway.run)
+    async with hub.audit_records() as records:
+        # A client that answers as TLS says gets through.
+        async with await open_tunnel(gateway, f"localhost:{port}") as guest:
+            tls = trio.SSLStream(guest, client_context, server_hostname="localhost")
+            await tls.do_handshake()
+        assert names == ["localhost", "localhost"]
+        assert (await records.receive()).status == 200
+        # One whose second hello names another server does not.
+        async with await open_tunnel(gateway, f"localhost:{port}") as guest:
+            await guest.send_all(client_hello("localhost"))
+            retry = await receive_record(guest)
+            assert retry[0] == 0x16 and retry[5] == 0x02 and retry[11:43].hex().startswith("cf21ad74"), retry
+            await guest.send_all(client_hello("evil.example", curve="prime256v1"))
+            assert await guest.receive_some() == b""
+        record = await records.receive()
+    assert names == ["localhost", "localhost", "localhost"]
+    assert record.status == 403 and "second TLS ClientHello" in record.reason and "'evil.example'" in record.reason
+
+
+async def test_a_connect_to_an_http_origin_is_refused(nursery, upstreams):
+    # A tunnel to an http origin carried whatever the guest sent, unread:
+    # requests with the Host header of any other site its server serves (a
+    # CDN's other customers), upgrades the gateway refuses in plain
+    # requests, or no HTTP at all. Plain HTTP goes through the proxy as
+    # requests, each one read and rebuilt for the origin it names.
+    a, b, a_tls = upstreams
+    gateway = Gateway(GatewayHub(), "http", check_network_policy(tunnel_policy(a)))
+    await nursery.start(gateway.run)
+    answer = await ask(gateway, http("CONNECT", a.host, a.host) + http("GET", "/", b.host))
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"plain HTTP" in answer, answer
+    assert a.connections == b.connections == 0
+
+
+async def test_a_policy_change_ends_the_tunnels_opened_under_the_old_one(nursery, ca, client_context):
+    # A tunnel is one grant, for as long as its connection lives: it lived
+    # on under a policy that no longer allowed it. (Through a session a
+    # policy changes only while no command runs, so no guest holds one then;
+    # a gateway must not count on that.)
+    async def reply(request):
+        return 200, [], b"ok"
+
+    server = await start_server(nursery, ca, "tunnel.test", reply)
+    hub = GatewayHub()
+    gateway = Gateway(hub, "change", check_network_policy(tunnel_policy_for(f"https://localhost:{server.port}")))
+    await nursery.start(gateway.run)
+    async with hub.audit_records() as records:
+        async with await open_tunnel(gateway, f"localhost:{server.port}") as guest:
+            tls = trio.SSLStream(guest, client_context, server_hostname="localhost")
+            await tls.send_all(http("GET", "/before", "localhost"))
+            answer = b""
+            while not answer.endswith(b"\r\n\r\nok"):
+                answer += await tls.receive_some()
+            gateway.update(check_network_policy(tunnel_policy_for("https://elsewhere.example")))
+            with pytest.raises(trio.BrokenResourceError):
+                await tls.send_all(http("GET", "/after", "localhost"))
+                await tls.receive_some()
+        record = await records.receive()
+    assert [request.path for request in server.requests] == ["/before"]
+    assert record.status == 403 and record.reason == "the session's network policy changed", record
+
+
+@contextlib.contextmanager
+def unanswering_upstream() -> Iterator[int]:
+    """The port of a loopback listener whose accept queue is full: the
+    kernel drops the SYNs of a connection to it, which waits."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(3):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        yield port
+
+
+async def test_a_policy_change_refuses_a_tunnel_still_being_opened(nursery):
+    with unanswering_upstream() as port:
+        gateway = Gateway(
+            GatewayHub(), "connecting", check_network_policy(tunnel_policy_for(f"https://localhost:{port}"))
+        )
+        await nursery.start(gateway.run)
+        with trio.fail_after(10):  # it used to wait for the kernel to give up connecting
+            async with await trio.open_unix_socket(str(gateway.socket_path)) as guest:
+                await guest.send_all(http("CONNECT", f"localhost:{port}", f"localhost:{port}"))
+                await trio.testing.wait_all_tasks_blocked()
+                gateway.update(check_network_policy(tunnel_policy_for("https://elsewhere.example")))
+                answer = b""
+                while chunk := await guest.receive_some():
+                    answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"changed while the tunnel was being opened" in answer, answer
+
+
+async def test_a_tunnel_has_the_request_deadline_to_connect(nursery, autojump_clock):
+    # As a plain request has: a CONNECT waited for the kernel to give up
+    # (two minutes), holding one of the session's connections.
+    with unanswering_upstream() as port:
+        hub = GatewayHub()
+        gateway = Gateway(hub, "slow", check_network_policy(tunnel_policy_for(f"https://localhost:{port}")))
+        await nursery.start(gateway.run)
+        async with hub.audit_records() as records:
+            started = trio.current_time()
+            with trio.fail_after(2 * REQUEST_DEADLINE):
+                answer = await ask(gateway, http("CONNECT", f"localhost:{port}", f"localhost:{port}"))
+            assert answer.startswith(b"HTTP/1.1 504 "), answer
+            assert trio.current_time() - started == pytest.approx(REQUEST_DEADLINE)
+            record = await records.receive()
+    assert (record.status, record.requested) == (504, f"localhost:{port}"), record
+
+
+async def test_every_tunnel_leaves_an_audit_record_of_what_was_asked_for(nursery, upstreams, client_context):
+    # However it ends: a guest that hung up on an open tunnel before its
+    # ClientHello left no record at all (the error went past the audit).
+    a, b, a_tls = upstreams
+    hub = GatewayHub(client_context)
+    policy = {"allow": [{"origin": a_tls.origin}, {"origin": "https://secret.example", "headers": {"x-key": SECRET}}]}
+    gateway = Gateway(hub, "audit", check_network_policy(policy))
+    await nursery.start(gateway.run)
+    target = a_tls.host
+    async with hub.audit_records() as records:
+        # An intercepted tunnel is judged by its ClientHello as a blind one.
+        await ask(gateway, http("CONNECT", "secret.example:443", "secret.example:443") + client_hello("evil.example"))
+        for first in (client_hello("evil.example"), b"GET / HTTP/1.1\r\n\r\n", b""):
+            await ask(gateway, http("CONNECT", target, target) + first)
+        # One that hangs up before its ClientHello, leaving our answer unread
+        # (so the gateway's next read fails: a reset, not an end).
+        guest = await trio.open_unix_socket(str(gateway.socket_path))
+        await guest.send_all(http("CONNECT", target, target) + client_hello("localhost")[:10])
+        await trio.testing.wait_all_tasks_blocked()
+        await guest.aclose()
+        async with await open_tunnel(gateway, target) as guest:
+            await trio.SSLStream(guest, client_context, server_hostname="localhost").do_handshake()
+        seen = [await records.receive() for _ in range(6)]
+    assert [(r.method, r.origin, r.requested) for r in seen] == [
+        ("CONNECT", "https://secret.example", "secret.example:443"),
+        *[("CONNECT", a_tls.origin, target)] * 5,
+    ]
+    assert [r.status for r in seen] == [403, 403, 403, 403, 403, 200], seen
+    for record, reason in zip(
+        seen,
+        [
+            "names 'evil.example', not secret.example",
+            "names 'evil.example', not localhost",
+            "does not carry a TLS ClientHello",
+            "the guest closed the tunnel before its TLS ClientHello",
+            "the guest closed the tunnel before its TLS ClientHello",
+            "",
+        ],
+        strict=True,
+    ):
+        assert reason in record.reason and bool(reason) == bool(record.reason), record
+
+
+# Spellings of the host's loopback (and of this host), as a target: names,
+# address literals, forms of IPv4 the resolver reads (hex, octal, one
+# number, fewer parts), IPv4 in IPv6, zone ids, percent-encoding, dots.
+LOOPBACK_SPELLINGS = [
+    "127.0.0.1", "127.0.0.1.", "127.1", "0x7f.1", "0x7f000001", "2130706433", "0177.0.0.1", "017700000001",
+    "0", "0.0.0.0", "[::1]", "[::]", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "[0:0:0:0:0:ffff:7f00:1]",
+    "[::127.0.0.1]", "[::1%lo]", "[::1%25lo]", "[fe80::1%lo]", "localhost..", "local%68ost", "localhost%2e",
+    "127.0.0.1%2e",
+]  # fmt: skip
+
+
+async def test_no_spelling_of_the_hosts_loopback_reaches_it(nursery, upstreams, client_context):
+    a, b, a_tls = upstreams
+
+    async def answers(policy: object) -> dict[str, bytes]:
+        gateway = Gateway(GatewayHub(client_context), "spellings", check_network_policy(policy))
+        await nursery.start(gateway.run)
+        statuses = {}
+        for host in [*LOOPBACK_SPELLINGS, "localhost", "LOCALHOST", "localhost."]:
+            authority = f"{host}:{a_tls.port}"
+            answer = await ask(gateway, http("CONNECT", authority, authority) + client_hello("localhost"))
+            statuses[host] = answer.split(b" ", 2)[1]
+            answer = await ask(gateway, http("GET", f"http://{host}:{a.port}/", f"{host}:{a.port}"))
+            statuses[f"http://{host}"] = answer.split(b" ", 2)[1]
+        return statuses
+
+    # Under "internet", none: only public addresses, and no literal at all.
+    assert all(status[:1] in b"45" for status in (await answers("internet")).values())
+    assert a.connections == a_tls.connections == 0
+    # A policy that names localhost reaches it by that name alone.
+    named = await answers(tunnel_policy_for(f"https://localhost:{a_tls.port}", f"http://localhost:{a.port}"))
+    assert {host for host, status in named.items() if status[:1] not in b"45"} == {
+        "localhost", "LOCALHOST", "localhost.", "http://localhost", "http://LOCALHOST", "http://localhost.",
+    }  # fmt: skip
+    assert (a.connections, a_tls.connections) == (3, 3)
+
+
+async def test_tunnels_through_either_door_count_and_leave_nothing_open(nursery, upstreams):
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    gateway = Gateway(hub, "doors", check_network_policy(tunnel_policy(a_tls)))
+    await nursery.start(gateway.run)
+    # The proxy's door: a TCP listener, as a sandbox hands one over.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    proxy = gateway.serve_proxy([listener])
+
+    async def door(i: int) -> trio.SocketStream:
+        if i % 2:
+            return await trio.open_tcp_stream("127.0.0.1", port)
+        return await trio.open_unix_socket(str(gateway.socket_path))
+
+    await trio.testing.wait_all_tasks_blocked()
+    open_files = len(os.listdir("/proc/self/fd"))
+    async with hub.audit_records() as records:
+        # Tunnels waiting for their ClientHello hold all 32 of the session's
+        # connections, half through each door: a 33rd is closed at once.
+        tunnels = [await open_tunnel(gateway, a_tls.host, await door(i)) for i in range(MAX_CONNECTIONS)]
+        for i in range(2):
+            async with await door(i) as extra:
+                assert await extra.receive_some() == b""
+        for tunnel in tunnels:
+            await tunnel.aclose()
+        assert {(await records.receive()).status for _ in tunnels} == {403}
+        # Each freed its connection and its upstream's.
+        for i in range(2):
+            async with await open_tunnel(gateway, a_tls.host, await door(i)):
+                pass
+            assert (await records.receive()).status == 403
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(os.listdir("/proc/self/fd")) == open_files
+    assert a_tls.connections == MAX_CONNECTIONS + 2
+    # Once its scope is cancelled, the proxy's listener is closed.
+    proxy.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert listener.fileno() == -1
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_the_address_cache_keeps_the_newest_entries_only(nursery, monkeypatch):
+    # Every name a guest connected to stayed in the backend's cache of
+    # addresses for good: under "internet", names of a wildcard domain of
+    # one's own made it grow without end.
+    monkeypatch.setattr(_gateway, "MAX_ADDRESSES", 2)
+    hub = GatewayHub()
+    ports = []
+    for _ in range(4):
+        with trio.socket.socket() as listener:
+            await listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            ports.append(listener.getsockname()[1])
+            await (await hub.connect(Origin("https", "localhost", ports[-1]), named=True)).aclose()
+    assert len(hub._addresses) == 2
+    assert ("localhost", ports[-1]) in hub._addresses
+
+
+async def test_a_cached_address_is_judged_for_each_session_again(nursery, upstreams):
+    # The backend's sessions share the addresses it resolved: one whose
+    # policy names localhost leaves the loopback address of localhost there,
+    # which a session under "internet" must still not reach.
+    a, b, a_tls = upstreams
+    hub = GatewayHub()
+    named = Gateway(hub, "named", check_network_policy(tunnel_policy(a_tls)))
+    internet = Gateway(hub, "internet", check_network_policy("internet"))
+    for gateway in (named, internet):
+        await nursery.start(gateway.run)
+    async with await open_tunnel(named, a_tls.host):
+        pass
+    assert ("localhost", a_tls.port) in hub._addresses
+    answer = await ask(internet, http("CONNECT", a_tls.host, a_tls.host) + client_hello("localhost"))
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"not a public address" in answer, answer
+    assert a_tls.connections == 1

@@ -43,18 +43,25 @@ def test_the_most_specific_entry_wins():
     assert route_request(POLICY, "a.example.com:8080", "/")[0].origin.scheme == "http"
 
 
-def test_a_tunnel_is_routed_by_host_and_port():
+def test_a_tunnel_is_routed_by_host_and_port_to_an_https_origin():
     assert str(route_tunnel(POLICY, "a.example.com:443").origin) == "https://a.example.com"
-    assert str(route_tunnel(POLICY, "a.example.com:8080").origin) == "http://a.example.com:8080"
     for authority in (
         "a.example.com",
         "a.example.com:444",
         "example.com:443",
         "a.example.com:443#x",
         "@a.example.com:443",
+        "user@a.example.com:443",
+        "user:pass@a.example.com:443",
+        "a.example.com:443/x",
+        "https://a.example.com:443",
     ):
         with pytest.raises(Refusal):
             route_tunnel(POLICY, authority)
+    # http://*.example.com:8080 is reached only by plain requests.
+    with pytest.raises(Refusal) as refusal:
+        route_tunnel(POLICY, "a.example.com:8080")
+    assert refusal.value.status == 403 and "plain HTTP" in refusal.value.reason
 
 
 def test_internet_routes_every_origin():
@@ -75,6 +82,23 @@ def test_internet_routes_every_origin():
         ("pypi.org", "::ffff:127.0.0.1", False, False),
         ("pypi.org", "fd00::1", False, False),
         ("pypi.org", "2a04:4e42::223", False, True),
+        # IPv6 addresses that lead to IPv4 ones: NAT64 (a name with only an A
+        # record resolves so behind DNS64), 6to4, IPv4-translated, and
+        # IPv4-compatible; and site-local ones. This Python took them all
+        # for public.
+        ("pypi.org", "64:ff9b::a00:1", False, False),
+        ("pypi.org", "64:ff9b::7f00:1", False, False),
+        ("pypi.org", "64:ff9b::a9fe:a9fe", False, False),
+        ("pypi.org", "64:ff9b::9765:df", False, True),  # 151.101.0.223
+        ("pypi.org", "64:ff9b:1::a00:1", False, False),
+        ("pypi.org", "2002:a00:1::1", False, False),
+        ("pypi.org", "2002:9765:df::1", False, True),
+        ("pypi.org", "::ffff:0:a00:1", False, False),
+        ("pypi.org", "::a00:1", False, False),
+        ("pypi.org", "::7f00:1", False, False),
+        ("pypi.org", "fec0::1", False, False),
+        ("pypi.org", "0.0.0.0", False, False),  # connecting there reaches this host
+        ("pypi.org", "::", False, False),
         ("localhost", "127.0.0.1", True, True),  # the policy names the host's loopback itself
         ("localhost", "127.0.0.1", False, False),
         ("localhost", "10.0.0.1", True, False),
