@@ -759,6 +759,32 @@ async def test_a_policy_change_ends_the_tunnels_opened_under_the_old_one(nursery
     assert record.status == 403 and record.reason == "the session's network policy changed", record
 
 
+async def test_a_policy_change_ends_an_intercepted_tunnel_too(nursery, ca, client_context):
+    # Its requests get the headers of the route it was opened under.
+    async def reply(request):
+        return 200, [], b"ok"
+
+    server = await start_server(nursery, ca, "tunnel.test", reply)
+    hub = GatewayHub(client_context)
+    origin = f"https://localhost:{server.port}"
+    gateway = Gateway(hub, "change", check_network_policy({"allow": [{"origin": origin, "headers": {"x-key": "old"}}]}))
+    await nursery.start(gateway.run)
+    trusting = ssl.create_default_context(cafile=str(gateway.directory / "ca.pem"))
+    async with await open_tunnel(gateway, f"localhost:{server.port}") as guest:
+        tls = trio.SSLStream(guest, trusting, server_hostname="localhost")
+        await tls.send_all(http("GET", "/before", f"localhost:{server.port}"))
+        answer = b""
+        while not answer.endswith(b"\r\n\r\nok"):
+            answer += await tls.receive_some()
+        gateway.update(check_network_policy({"allow": [{"origin": origin, "headers": {"x-key": "new"}}]}))
+        with pytest.raises(trio.BrokenResourceError):
+            await tls.send_all(http("GET", "/after", f"localhost:{server.port}"))
+            while await tls.receive_some():
+                pass
+            raise trio.BrokenResourceError  # closed cleanly: ended all the same
+    assert [(request.path, request.headers["x-key"]) for request in server.requests] == [("/before", "old")]
+
+
 @contextlib.contextmanager
 def unanswering_upstream() -> Iterator[int]:
     """The port of a loopback listener whose accept queue is full: the
