@@ -81,7 +81,7 @@ def connect():
         raw.sendall(b"CONNECT localhost:%d HTTP/1.1\\r\\nHost: localhost:%d\\r\\n\\r\\n" % (port, port))
         answer = b""
         while not answer.endswith(b"\\r\\n\\r\\n"):
-            answer += raw.recv(1)
+            answer += raw.recv(4096)  # nothing follows the answer until our ClientHello
         assert answer.startswith(b"HTTP/1.1 200"), answer
     return context.wrap_socket(raw, server_hostname="localhost")
 def get(tls, path):

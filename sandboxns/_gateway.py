@@ -109,6 +109,7 @@ LINGER_BYTES = 4 * MAX_BODY_BYTES
 # upstreams at most (a guest may name any number of them).
 ADDRESS_TTL = 30.0
 MAX_ADDRESSES = 4096
+ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 # A CONNECT tunnel ends when nothing has moved either way for this long.
 TUNNEL_IDLE_TIMEOUT = 60.0
 
@@ -133,6 +134,18 @@ class AuditRecord:
     duration: float
     reason: str = ""
     requested: str = ""
+
+
+async def _open_tcp(address: str, port: int) -> trio.SocketStream:
+    """A TCP connection to one address: no resolver and no happy eyeballs
+    (trio.open_tcp_stream's nursery of attempts), which are for names."""
+    sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in address else trio.socket.AF_INET)
+    try:
+        await sock.connect((address, port))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
 
 
 class GatewayHub:
@@ -164,14 +177,13 @@ class GatewayHub:
         most requests skip the resolver (a worker-thread round trip); every
         address is judged as it is connected to, cached or not."""
         key = (origin.host, origin.port)
-        known = self._addresses.get(key)
-        if known is not None and known[1] > time.monotonic():
-            if refusal_to_connect(origin, ipaddress.ip_address(known[0]), named) is None:
-                try:
-                    return await trio.open_tcp_stream(known[0], origin.port)
-                except OSError:
-                    pass
-            self._addresses.pop(key, None)
+        known = self.known_address(origin, named)
+        if known is not None:
+            try:
+                return await _open_tcp(known, origin.port)
+            except OSError:
+                pass
+        self._addresses.pop(key, None)
         try:
             found = await trio.socket.getaddrinfo(origin.host, origin.port, type=trio.socket.SOCK_STREAM)
         except OSError as exc:
@@ -184,7 +196,7 @@ class GatewayHub:
         failure: OSError | None = None
         for address in reachable:
             try:
-                stream = await trio.open_tcp_stream(address, origin.port)
+                stream = await _open_tcp(address, origin.port)
             except OSError as exc:
                 failure = exc
                 continue
@@ -194,6 +206,14 @@ class GatewayHub:
             self._addresses[key] = (address, time.monotonic() + ADDRESS_TTL)
             return stream
         raise Refusal(502, f"cannot connect to {origin}: {failure.strerror or failure}") from None
+
+    def known_address(self, origin: Origin, named: bool) -> str | None:
+        """The address an origin answered from lately, if it may still be
+        connected to under this policy (see :meth:`connect`)."""
+        known = self._addresses.get((origin.host, origin.port))
+        if known is None or known[1] <= time.monotonic():
+            return None
+        return known[0] if refusal_to_connect(origin, ipaddress.ip_address(known[0]), named) is None else None
 
     def report_error(self, exc: BaseException) -> None:
         if self.on_error is None:
@@ -583,26 +603,43 @@ class Gateway:
             await self._intercept(stream, route, early, started, requested)
             return
         reason, moved, opened = "", [0, 0], False  # moved: bytes passed to the upstream, and to the guest
+        failed = 403  # the status a reason ends the tunnel with
         with trio.CancelScope() as tunnel:
             self._tunnels.add(tunnel)
             try:
-                async with await self._connect(origin) as upstream:
-                    await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                # An origin that answered lately is answered for at once, and
+                # the guest makes its ClientHello while the connection to the
+                # upstream is made. Any other is connected to first, so that a
+                # failure is an answer the guest reads (502, 504), not a tunnel
+                # that closes.
+                if self._hub.known_address(origin, names_itself(self.policy, origin)) is not None:
+                    await self._send(stream, ESTABLISHED)
                     opened = True
-                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                        reason, early = await self._start_tls(stream, upstream, origin, early, moved)
-                        if not reason:
-                            await upstream.send_all(early)
-                            moved[0] += len(early)
-                            sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
-                            moved[0], moved[1] = moved[0] + sent, moved[1] + received
+                try:
+                    upstream = await self._connect(origin)
+                except Refusal as refusal:
+                    if not opened:
+                        raise
+                    reason, failed = refusal.reason, refusal.status
+                else:
+                    async with upstream:
+                        if not opened:
+                            await self._send(stream, ESTABLISHED)
+                            opened = True
+                        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                            reason, early = await self._start_tls(stream, upstream, origin, early, moved)
+                            if not reason:
+                                await upstream.send_all(early)
+                                moved[0] += len(early)
+                                sent, received = await relay(stream, upstream, TUNNEL_IDLE_TIMEOUT)
+                                moved[0], moved[1] = moved[0] + sent, moved[1] + received
             finally:
                 self._tunnels.discard(tunnel)
         if tunnel.cancelled_caught:
             if not opened:
                 raise Refusal(403, "the session's network policy changed while the tunnel was being opened")
-            reason = "the session's network policy changed"
-        status = 403 if reason else 200
+            reason, failed = "the session's network policy changed", 403
+        status = failed if reason else 200
         self._audit("CONNECT", str(origin), requested, "", status, *moved, started, reason)
 
     async def _intercept(
@@ -613,7 +650,7 @@ class Gateway:
         requests in it as it serves plain ones (each sent on over its own
         verified TLS, with the policy's headers)."""
         origin = route.origin
-        await self._send(stream, b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await self._send(stream, ESTABLISHED)
         hello = HandshakeReader()
         reason = await self._client_hello(stream, origin, hello, early, "TLS ClientHello")
         self._audit(

@@ -785,6 +785,41 @@ async def test_a_policy_change_ends_an_intercepted_tunnel_too(nursery, ca, clien
     assert [(request.path, request.headers["x-key"]) for request in server.requests] == [("/before", "old")]
 
 
+async def test_a_tunnel_to_an_origin_that_answered_lately_is_answered_at_once(ca, client_context):
+    # The guest makes its ClientHello while the gateway connects; should the
+    # upstream have gone meanwhile, the tunnel closes, and its record says so.
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+
+    async def handshake(stream: trio.SSLStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.do_handshake()
+
+    hub = GatewayHub()
+    stopped = trio.CancelScope()
+
+    async def upstream(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with stopped:
+            await trio.serve_ssl_over_tcp(handshake, 0, server_context, host="127.0.0.1", task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        [listener] = await nursery.start(upstream)
+        authority = f"localhost:{listener.transport_listener.socket.getsockname()[1]}"
+        gateway = Gateway(hub, "early", check_network_policy(tunnel_policy_for(f"https://{authority}")))
+        await nursery.start(gateway.run)
+        async with await open_tunnel(gateway, authority) as guest:  # the first: connected to before its answer
+            await trio.SSLStream(guest, client_context, server_hostname="localhost").do_handshake()
+        stopped.cancel()  # its port answers no more
+        await trio.testing.wait_all_tasks_blocked()
+        async with hub.audit_records() as records:
+            async with await open_tunnel(gateway, authority) as guest:
+                assert await guest.receive_some() == b""  # closed, after its 200
+            record = await records.receive()
+        nursery.cancel_scope.cancel()
+    assert (record.status, record.requested) == (502, authority), record
+    assert "cannot connect" in record.reason, record
+
+
 @contextlib.contextmanager
 def unanswering_upstream() -> Iterator[int]:
     """The port of a loopback listener whose accept queue is full: the
