@@ -840,9 +840,9 @@ def _origin_of(url: str) -> Origin:
 
 def _egress_problem(egress: str | tuple[_Egress, ...], source: str, tool: str) -> str | None:
     """Why ``tool`` cannot reach ``source`` under ``egress``, or None if it
-    can: judged as the proxy judges it (an https URL is a CONNECT tunnel, an
-    http one a plain request), but with no header values (only whether an
-    origin gets headers matters)."""
+    can: judged as the proxy judges it (an https URL is a CONNECT tunnel,
+    intercepted when its origin gets headers; an http one a plain request),
+    with no header values."""
     if egress in ("internet", "allow-all"):
         return None
     origin = _origin_of(source)
@@ -864,8 +864,6 @@ def _egress_problem(egress: str | tuple[_Egress, ...], source: str, tool: str) -
             route, _ = route_request(policy, origin.host_header, f"{origin}/")
     except Refusal:
         return f"{blocked} does not allow; allow it there"
-    if origin.scheme == "https" and route.injects_credentials:
-        return f"{tool} fetches from {origin} in a tunnel, and the proxy opens none to an origin network.egress gives headers"
     return None
 
 

@@ -134,16 +134,18 @@ async def test_npm_installs_from_an_allowed_registry(proxied, npm_registry, work
 
 
 # A raw client: one request to the proxy, and the status line of its answer.
+# Sends argv[1] to the proxy at argv[2] (127.0.0.1 unless given) and
+# prints the whole answer, up to the proxy's closing the connection.
 ASK = """
 import socket, sys
-s = socket.create_connection(("127.0.0.1", 3128))
+s = socket.create_connection((sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1", 3128))
 s.sendall(sys.argv[1].encode().decode("unicode_escape").encode())
-print(s.makefile("rb").readline().decode().strip())
+print(s.makefile("rb").read().decode())
 """
 
 
-async def ask_proxy(session, raw: str) -> str:
-    result = await session.run("python3", ["-c", ASK, raw], timeout=20)
+async def ask_proxy(session, raw: str, proxy: str = "127.0.0.1") -> str:
+    result = await session.run("python3", ["-c", ASK, raw, proxy], timeout=20)
     assert result.exit_code == 0, result
     return result.stdout.strip()
 
@@ -151,14 +153,16 @@ async def ask_proxy(session, raw: str) -> str:
 async def test_what_the_policy_does_not_allow_is_refused(proxied, package_index, workspace):
     server = package_index.server
     async with proxied(allow(server)) as session:
-        for target in (
-            f"localhost:{server.port + 1}",  # another origin
-            f"127.0.0.1:{server.port}",  # the allowed upstream, by an address no origin names
-            "10.0.0.1:443",  # a private address: never even tried
-            f"[::1]:{server.port}",
+        for target, proxy in (
+            (f"localhost:{server.port + 1}", "127.0.0.1"),  # another origin
+            (f"127.0.0.1:{server.port}", "127.0.0.1"),  # the allowed upstream, by an address no origin names
+            ("10.0.0.1:443", "::1"),  # a private address: never even tried
+            (f"[::1]:{server.port}", "::1"),
         ):
-            answer = await ask_proxy(session, f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n")
-            assert answer.startswith("HTTP/1.1 403 "), (target, answer)
+            answer = await ask_proxy(session, f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n", proxy)
+            # The answer says why, in a body a tool may show.
+            said = f"sandboxns gateway: {target} is not an allowed origin of the session's network policy"
+            assert answer.startswith("HTTP/1.1 403 ") and answer.endswith(said), (target, answer)
         refused = await session.run(
             "curl", ["-sS", "-o", "/dev/null", "-w", "%{http_code}", f"https://localhost:{server.port + 1}/"],
             env=guest_env(),

@@ -97,6 +97,40 @@ async def test_a_package_that_cannot_be_installed_fails_the_build_and_leaves_no_
     assert list((tmp_path / "state" / "sessions").iterdir()) == []
 
 
+async def test_an_index_that_needs_a_token_is_installed_from_through_the_intercepted_tunnel(
+    driver_name, tmp_path, package_index, client_context
+):
+    # The egress entry gives the index a token from the host's environment:
+    # pip trusts the session's CA (the spec names no CA of its own) and the
+    # gateway sends each request on with the token, which the guest never has.
+    origin = f"https://localhost:{package_index.server.port}"
+    trust = {"PIP_CERT", "GIT_SSL_CAINFO", "npm_config_cafile", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "SSL_CERT_FILE"}
+    guest_env = {name: value for name, value in tool_env("/workspace", "", GUEST_PATH).items() if name not in trust}
+    spec = SandboxSpec.from_dict(
+        {
+            "id": "token",
+            "driver": driver_name,
+            "env": {"vars": {**guest_env, "NO_PROXY": "", "no_proxy": ""}},
+            "network": {"egress": [{"origin": origin, "headers": {"authorization": {"env": "INDEX_TOKEN"}}}]},
+            "install": {"pip": PIP, "pip_index_url": f"{origin}/simple/"},
+        }
+    )
+    assert spec.validate() == []
+    secret = "Bearer index-token-4ff1"
+    async with spec.build(
+        state_directory=tmp_path / "state", host_env={"INDEX_TOKEN": secret}, upstream_ssl_context=client_context
+    ) as sandbox:
+        [pip] = sandbox.installs
+        assert pip.result.exit_code == 0, pip.result
+        imported = await sandbox.session.run("python", ["-c", IMPORT])
+        # (The script spells the token's tail in two pieces, so its own command line does not hold it.)
+        seen = await sandbox.session.run("sh", ["-c", "env; cat /proc/*/cmdline; grep -r 4f''f1 /workspace"])
+    assert imported.stdout.split() == ["/workspace/.venv", "sandboxns-demo-0", "sandboxns-demo-1"], imported
+    assert package_index.server.requests
+    assert all(request.headers["authorization"] == secret for request in package_index.server.requests)
+    assert seen.stdout and "4ff1" not in seen.stdout + seen.stderr
+
+
 def test_install_problems_have_their_fields():
     bad = {
         "id": "x",
@@ -157,12 +191,6 @@ def test_install_problems_have_their_fields():
             "install.pip_index_url",
             "pip fetches from https://example.com, which network.egress does not allow",
         ),
-        (
-            {"egress": [{"origin": "https://pypi.example.com", "headers": {"authorization": {"env": "TOKEN"}}}]},
-            {"pip": ["x"], "pip_index_url": "https://pypi.example.com/simple/"},
-            "install.pip_index_url",
-            "in a tunnel, and the proxy opens none to an origin network.egress gives headers",
-        ),
     ],
 )
 def test_installs_need_an_egress_that_reaches_their_source(network, install, field, message):
@@ -176,10 +204,14 @@ def test_installs_need_an_egress_that_reaches_their_source(network, install, fie
         ("internet", {"pip": ["requests==2.32.3"], "npm": ["typescript@5"]}),
         ("allow-all", {"pip": ["requests"]}),
         ([{"origin": "https://*.example.com"}], {"npm": ["x"], "npm_registry": "https://npm.example.com:443/"}),
-        # An injected header is fine over plain HTTP: the gateway reads those requests.
+        # Injected headers: the gateway reads those requests, plain or (https) in its intercepted tunnel.
         (
             [{"origin": "http://pypi.internal:8080", "headers": {"authorization": {"env": "TOKEN"}}}],
             {"pip": ["x"], "pip_index_url": "http://pypi.internal:8080/simple/"},
+        ),
+        (
+            [{"origin": "https://pypi.example.com", "headers": {"authorization": {"env": "TOKEN"}}}],
+            {"pip": ["x"], "pip_index_url": "https://pypi.example.com/simple/"},
         ),
         ("deny-all", {"pip": [], "npm": [], "timeout": 5}),  # nothing to install, nothing to reach
     ],

@@ -140,6 +140,13 @@ async def test_the_hosts_abstract_unix_sockets_are_unreachable(session):
     assert (await connect_to_a_host_abstract_socket(session)).startswith("refused")
 
 
+async def test_internet_reaches_no_abstract_unix_socket_of_the_host(driver_name, workspace):
+    # "internet" is the way out allow-all is not: its own namespace, with
+    # everything public through the proxy.
+    async with sandboxns.open_sandbox(workspace, driver=driver_name, network="internet") as session:
+        assert (await connect_to_a_host_abstract_socket(session)).startswith("refused")
+
+
 async def test_allow_all_shares_the_hosts_abstract_unix_sockets(driver_name, workspace):
     # The exposure the README's security model describes: abstract names
     # belong to the network namespace that allow-all shares.
