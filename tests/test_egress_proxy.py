@@ -135,12 +135,15 @@ async def test_npm_installs_from_an_allowed_registry(proxied, npm_registry, work
 
 # A raw client: one request to the proxy, and the status line of its answer.
 # Sends argv[1] to the proxy at argv[2] (127.0.0.1 unless given) and
-# prints the whole answer, up to the proxy's closing the connection.
+# prints the answer's status line and body.
 ASK = """
-import socket, sys
+import http.client, socket, sys
 s = socket.create_connection((sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1", 3128))
 s.sendall(sys.argv[1].encode().decode("unicode_escape").encode())
-print(s.makefile("rb").read().decode())
+answer = http.client.HTTPResponse(s)
+answer.begin()
+print(f"HTTP/1.1 {answer.status} {answer.reason}")
+print(answer.read().decode())
 """
 
 
