@@ -162,7 +162,9 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     cfg->commands.tmp_bytes = SBX_TMP_BYTES;
     cfg->outer_uid = getuid();
     cfg->outer_gid = getgid();
-    cfg->prepared = (struct prepared_trees){-1, -1, -1, -1};
+    cfg->prepared.workspace = cfg->prepared.overlay_tree = cfg->prepared.gateway_dir = -1;
+    for (int i = 0; i < MAX_OVERLAY_LOWERS; i++)
+        cfg->prepared.overlay_lowers[i] = -1;
     cfg->hostname = "sandbox";
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
         switch (opt) {
@@ -184,7 +186,9 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             cfg->share_network = 1;
             break;
         case 'l':
-            cfg->overlay_lower = optarg;
+            if (cfg->noverlay_lowers == MAX_OVERLAY_LOWERS)
+                return fail(err, "arguments", E2BIG, "more than %d --overlay-lower layers", MAX_OVERLAY_LOWERS);
+            cfg->overlay_lowers[cfg->noverlay_lowers++] = optarg;
             break;
         case 'o':
             cfg->overlay_work = optarg;
@@ -225,7 +229,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     }
     if (!cfg->workspace || optind != argc)
         return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
-    if (!cfg->overlay_lower != !cfg->overlay_work)
+    if (!cfg->noverlay_lowers != !cfg->overlay_work)
         return fail(err, "arguments", EINVAL, "--overlay-lower and --overlay-work go together");
     if (cfg->proxy_port && cfg->share_network)
         return fail(err, "arguments", EINVAL, "--proxy-port needs the session's own network");
@@ -249,8 +253,9 @@ static void close_prepared_layers(const struct prepared_trees *prepared)
 {
     if (prepared->overlay_tree >= 0)
         close(prepared->overlay_tree);
-    if (prepared->overlay_lower >= 0)
-        close(prepared->overlay_lower);
+    for (int i = 0; i < MAX_OVERLAY_LOWERS; i++)
+        if (prepared->overlay_lowers[i] >= 0)
+            close(prepared->overlay_lowers[i]);
 }
 
 static volatile pid_t holder_pid;

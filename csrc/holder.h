@@ -27,12 +27,18 @@ struct extra_bind {
     int tree_fd; /* prepared clone of host (a root host's, see idmap.c), or -1 */
 };
 
+/* The most read-only layers an overlay workspace stacks: a template and the
+ * snapshots taken above it. The host flattens a deeper stack into one layer
+ * (sandboxns/_snapshots.py), as each layer costs every lookup that misses
+ * the ones above it. */
+#define MAX_OVERLAY_LOWERS 32
+
 /* The host trees a root host clones before it gives up root (userns.c,
  * userns_prepare_host_ids); -1 where nothing was prepared. */
 struct prepared_trees {
-    int workspace;     /* the workspace, without an overlay */
-    int overlay_tree;  /* the directory holding the overlay's upper and work dirs */
-    int overlay_lower; /* the overlay's template */
+    int workspace;    /* the workspace, without an overlay */
+    int overlay_tree; /* the directory holding the overlay's upper and work dirs */
+    int overlay_lowers[MAX_OVERLAY_LOWERS]; /* the overlay's read-only layers */
     int gateway_dir;
 };
 
@@ -52,7 +58,8 @@ struct holder_config {
     uid_t inner_uid, outer_uid;
     gid_t inner_gid, outer_gid;
     const char *workspace;     /* bound as /workspace; the upper layer with an overlay */
-    const char *overlay_lower; /* read-only template under the workspace, or NULL */
+    const char *overlay_lowers[MAX_OVERLAY_LOWERS]; /* read-only layers under the workspace, topmost first */
+    int noverlay_lowers;
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
     const char *gateway_dir;    /* host path of the egress gateway's directory, or NULL */
     unsigned int proxy_port;    /* --proxy-port: listen for the gateway's proxy there, or 0 */

@@ -74,13 +74,47 @@ static int clone_tree(struct plan *plan, const char *source, const char *target,
     return 0;
 }
 
-/* "lowerdir+" (Linux 6.8) takes the path verbatim; older kernels parse
- * "lowerdir" as a ':'-separated list. */
-static int set_layers(int fs, const char *lower, const char *upper, const char *work)
+/* The lower layers as older kernels' "lowerdir" takes them: one string,
+ * topmost first, separated by ':', with '\\' and ':' in a path escaped. */
+static int join_lowers(char *out, size_t size, const char *const *lowers, int nlowers)
 {
-    if ((sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", lower, 0) < 0 &&
-         sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", lower, 0) < 0) ||
-        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", upper, 0) < 0 ||
+    size_t at = 0;
+
+    for (int i = 0; i < nlowers; i++) {
+        for (const char *c = lowers[i]; *c; c++) {
+            if ((*c == ':' || *c == '\\') && at + 1 < size)
+                out[at++] = '\\';
+            if (at + 1 < size)
+                out[at++] = *c;
+        }
+        if (i + 1 < nlowers && at + 1 < size)
+            out[at++] = ':';
+    }
+    if (at + 1 >= size) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    out[at] = '\0';
+    return 0;
+}
+
+/* "lowerdir+" (Linux 6.8) takes one path verbatim, topmost first; older
+ * kernels parse "lowerdir" as a list. */
+static int set_layers(int fs, const char *const *lowers, int nlowers, const char *upper, const char *work)
+{
+    static char joined[MAX_OVERLAY_LOWERS * PATH_MAX];
+    int appended = 0;
+
+    while (appended < nlowers && sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", lowers[appended], 0) == 0)
+        appended++;
+    if (appended == 0) {
+        if (join_lowers(joined, sizeof joined, lowers, nlowers) < 0 ||
+            sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", joined, 0) < 0)
+            return -1;
+    } else if (appended < nlowers) {
+        return -1;
+    }
+    if (sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", upper, 0) < 0 ||
         sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", work, 0) < 0)
         return -1;
     return 0;
@@ -93,14 +127,28 @@ static int set_layers(int fs, const char *lower, const char *upper, const char *
  * become the root). Nothing else is looked up under NEW_ROOT in between:
  * on a root host every tree of the session's own was prepared. */
 #define LAYERS NEW_ROOT "/.layers"
+
+static void prepared_lower_path(char *out, size_t size, int index)
+{
+    snprintf(out, size, LAYERS "/lower%d", index);
+}
+
 static int attach_prepared_layers(const struct holder_config *cfg, struct sbx_report *err)
 {
+    char lower[PATH_MAX];
+
     if (mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700") < 0 ||
-        mkdir(LAYERS, 0700) < 0 || mkdir(LAYERS "/lower", 0700) < 0 || mkdir(LAYERS "/upper", 0700) < 0)
+        mkdir(LAYERS, 0700) < 0 || mkdir(LAYERS "/upper", 0700) < 0)
         return fail(err, "overlay", errno, "cannot make room for the overlay's layers: %s", strerror(errno));
-    if (sys_move_mount(cfg->prepared.overlay_lower, "", AT_FDCWD, LAYERS "/lower", MOVE_MOUNT_F_EMPTY_PATH) < 0 ||
-        sys_move_mount(cfg->prepared.overlay_tree, "", AT_FDCWD, LAYERS "/upper", MOVE_MOUNT_F_EMPTY_PATH) < 0)
-        return fail(err, "overlay", errno, "cannot attach the overlay's layers: %s", strerror(errno));
+    if (sys_move_mount(cfg->prepared.overlay_tree, "", AT_FDCWD, LAYERS "/upper", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        return fail(err, "overlay", errno, "cannot attach the overlay's upper layer: %s", strerror(errno));
+    for (int i = 0; i < cfg->noverlay_lowers; i++) {
+        prepared_lower_path(lower, sizeof lower, i);
+        if (mkdir(lower, 0700) < 0 ||
+            sys_move_mount(cfg->prepared.overlay_lowers[i], "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            return fail(err, "overlay", errno, "cannot attach the overlay's layer %s: %s", cfg->overlay_lowers[i],
+                        strerror(errno));
+    }
     return 0;
 }
 
@@ -114,14 +162,17 @@ static void layer_path(char *out, size_t size, const char *sibling)
 
 /* A session made from a template sees the template's files as the lower
  * layer of an overlay whose upper layer is the session's own directory, so
- * creating a session costs the same for ten files or ten thousand. In a user
+ * creating a session costs the same for ten files or ten thousand; above the
+ * template, the snapshots its workspace was forked from. In a user
  * namespace overlayfs keeps its metadata in user.* xattrs ("userxattr"). A
  * failure here is reported as step "overlay", and the host falls back to a
  * copied workspace. */
 static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct sbx_report *err)
 {
     struct bind *bind = &plan->binds[plan->nbinds];
-    const char *lower = cfg->overlay_lower, *upper = cfg->workspace, *work = cfg->overlay_work;
+    const char *const *lowers = cfg->overlay_lowers, *upper = cfg->workspace, *work = cfg->overlay_work;
+    static char prepared_lowers[MAX_OVERLAY_LOWERS][PATH_MAX];
+    const char *prepared_lower_list[MAX_OVERLAY_LOWERS];
     char prepared_upper[PATH_MAX], prepared_work[PATH_MAX];
     int prepared = cfg->prepared.overlay_tree >= 0, fs, mnt;
 
@@ -132,18 +183,24 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
             return -1;
         layer_path(prepared_upper, sizeof prepared_upper, cfg->workspace);
         layer_path(prepared_work, sizeof prepared_work, cfg->overlay_work);
-        lower = LAYERS "/lower";
+        for (int i = 0; i < cfg->noverlay_lowers; i++) {
+            prepared_lower_path(prepared_lowers[i], PATH_MAX, i);
+            prepared_lower_list[i] = prepared_lowers[i];
+        }
+        lowers = prepared_lower_list;
         upper = prepared_upper;
         work = prepared_work;
     }
     fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
     if (fs < 0)
         return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
-    if (set_layers(fs, lower, upper, work) < 0 || sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+    if (set_layers(fs, lowers, cfg->noverlay_lowers, upper, work) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
         sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
         int e = errno;
         close(fs);
-        return fail(err, "overlay", e, "cannot set up the overlay over %s: %s", cfg->overlay_lower, strerror(e));
+        return fail(err, "overlay", e, "cannot set up the overlay over %s (and %d layers below): %s",
+                    cfg->overlay_lowers[0], cfg->noverlay_lowers - 1, strerror(e));
     }
     mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
     close(fs);
@@ -223,7 +280,7 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
         return -1;
     if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_tree < 0 && !is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
-    if (cfg->overlay_lower ? overlay_workspace(cfg, plan, err) < 0
+    if (cfg->noverlay_lowers ? overlay_workspace(cfg, plan, err) < 0
                            : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, cfg->prepared.workspace,
                                         err) < 0)
         return -1;

@@ -73,16 +73,18 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
     idmap = idmap_make_userns(uid_map, gid_map, 0, -1, -1);
     if (idmap < 0)
         return fail(err, "idmap", -idmap, "cannot make the id mapping: %s", strerror(-idmap));
-    if (cfg->overlay_lower) {
+    if (cfg->noverlay_lowers) {
         snprintf(parent, sizeof parent, "%s", cfg->workspace);
         snprintf(work_parent, sizeof work_parent, "%s", cfg->overlay_work);
         if (strcmp(dirname(parent), dirname(work_parent)) != 0) {
             fail(err, "idmap", EINVAL, "the overlay's upper and work directories must be siblings");
             goto out;
         }
-        if (prepare_tree(parent, WORKSPACE_ATTRS, idmap, &prepared->overlay_tree, err) < 0 ||
-            prepare_tree(cfg->overlay_lower, RUNTIME_RO, idmap, &prepared->overlay_lower, err) < 0)
+        if (prepare_tree(parent, WORKSPACE_ATTRS, idmap, &prepared->overlay_tree, err) < 0)
             goto out;
+        for (int i = 0; i < cfg->noverlay_lowers; i++)
+            if (prepare_tree(cfg->overlay_lowers[i], RUNTIME_RO, idmap, &prepared->overlay_lowers[i], err) < 0)
+                goto out;
     } else if (prepare_tree(cfg->workspace, WORKSPACE_ATTRS, idmap, &prepared->workspace, err) < 0) {
         goto out;
     }

@@ -24,6 +24,7 @@ from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
+from ._snapshots import Snapshot
 from ._spec import InstallResult, SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
 from ._templates import Template
 
@@ -51,6 +52,7 @@ __all__ = [
     "SandboxProcess",
     "SandboxSpec",
     "SeccompPolicy",
+    "Snapshot",
     "Session",
     "SessionHandle",
     "SpecLimits",

@@ -11,6 +11,7 @@ credential is ever written here)::
     sessions/<id>/workspace/        the session's files; with an overlay,
                                     only what differs from the template
     sessions/<id>/overlay-work/     overlayfs scratch space
+    snapshots/<id>/...              frozen workspaces (see _snapshots)
 
 A session with a workspace size cap keeps those two directories on an ext4
 image of the cap's size instead (see _image)::
@@ -44,10 +45,8 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import ssl
 import stat
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -61,11 +60,22 @@ from ._driver import GatewayEndpoint, Mount, OverlayUnavailable, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
+from ._layers import copy_tree, merge_layers, move_tree, remove_tree
 from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._session import Session, check_seconds, create_sandbox_session
-from ._templates import KEY_PATTERN, Template, TemplateStore, check_key, check_template_files, copy_tree
+from ._snapshots import (
+    MAX_STACK_DEPTH,
+    SNAPSHOT_ID_PATTERN,
+    Snapshot,
+    SnapshotStore,
+    check_snapshot_name,
+    new_snapshot_id,
+    snapshot_id_of,
+    write_json,
+)
+from ._templates import KEY_PATTERN, Template, TemplateStore, check_key, check_template_files
 
 logger = logging.getLogger("sandboxns")
 
@@ -107,12 +117,6 @@ class CommandSlots:
         self.active -= 1
 
 
-def _write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(f".{path.name}-{secrets.token_hex(6)}")
-    temporary.write_text(json.dumps(value, indent=1))
-    os.rename(temporary, path)
-
-
 def _description_problem(description: object, session_id: str) -> str | None:
     """What makes ``description`` not a session.json this code wrote for
     session ``session_id``, or None. Every field a resume acts on is
@@ -132,11 +136,15 @@ def _description_problem(description: object, session_id: str) -> str | None:
             return "a bound session needs an absolute workspace path and no template"
     elif layout in ("overlay", "copy"):
         # Also keeps a key like "../.." from naming a host directory to use
-        # as the workspace's template.
-        if not isinstance(template, str) or not KEY_PATTERN.fullmatch(template):
+        # as the workspace's template. A session made from a snapshot of a
+        # bound session has none.
+        if not (template is None or (isinstance(template, str) and KEY_PATTERN.fullmatch(template))):
             return f"template {template!r} is not a template key"
     else:
         return f"unknown workspace layout {layout!r}"
+    problem = _stack_problem(description)
+    if problem is not None:
+        return problem
     mounts = description.get("mounts", [])
     if not isinstance(mounts, list) or not all(
         isinstance(mount, dict)
@@ -153,6 +161,37 @@ def _description_problem(description: object, session_id: str) -> str | None:
         except SandboxError as exc:
             return exc.message
     return None
+
+
+def _stack_problem(description: dict) -> str | None:
+    """What is wrong with the snapshot layers a record says its workspace
+    stands on (see stack_of), or None."""
+    layers, on_template = description.get("layers", []), description.get("on_template")
+    if not isinstance(layers, list) or not all(isinstance(i, str) and SNAPSHOT_ID_PATTERN.fullmatch(i) for i in layers):
+        return "its snapshot layers are malformed"
+    for key in ("snapshot", "pending_snapshot"):
+        value = description.get(key)
+        if value is not None and not (isinstance(value, str) and SNAPSHOT_ID_PATTERN.fullmatch(value)):
+            return f"its {key} is not a snapshot id"
+    if description["layout"] != "overlay":
+        if layers or on_template or "pending_snapshot" in description:
+            return "only an overlay workspace stands on snapshot layers"
+        return None
+    layers_, on_template = stack_of(description)
+    if not isinstance(on_template, bool) or (on_template and description["template"] is None):
+        return "on_template must be true or false, and true only with a template"
+    if not layers_ and not on_template:
+        return "an overlay workspace needs a layer under it"
+    if len(layers_) + on_template > MAX_STACK_DEPTH or len(set(layers_)) != len(layers_):
+        return f"its layers repeat, or stack deeper than {MAX_STACK_DEPTH}"
+    return None
+
+
+def stack_of(description: dict) -> tuple[list[str], bool]:
+    """The snapshots an overlay workspace stands on (topmost first), and
+    whether its template's files lie under them (records from before
+    snapshots have neither key: their template alone)."""
+    return list(description.get("layers", [])), description.get("on_template", description["layout"] == "overlay")
 
 
 def read_description(state_directory: Path, session_id: str) -> dict:
@@ -189,47 +228,6 @@ def _damaged(session_id: str, problem: str) -> SandboxError:
     return SandboxError(
         ErrorCode.SANDBOX_STATE_MISMATCH, f"the stored record of session {session_id} is not usable: {problem}"
     )
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a tree a guest may have shaped: with symlinks (never
-    followed), with directories overlayfs left mode 000 (root ignores the
-    mode; anyone else must restore it first), nested deeper than Python's
-    recursion or PATH_MAX (then GNU rm, which walks any depth, finishes).
-    Nothing of the session runs any more when this is called."""
-    target = os.fspath(path)
-
-    def unlock_and_retry(function, failed_path, exc_info):
-        if not isinstance(exc_info[1], PermissionError):
-            raise exc_info[1]
-        for writable in (os.path.dirname(failed_path), failed_path):
-            if not os.path.islink(writable):  # a guest's symlink may point anywhere
-                with contextlib.suppress(OSError):
-                    os.chmod(writable, 0o700)
-        if os.path.isdir(failed_path) and not os.path.islink(failed_path):
-            shutil.rmtree(failed_path, onerror=unlock_and_retry)
-        else:
-            function(failed_path)
-
-    if not os.path.lexists(target):
-        return
-    if os.path.islink(target) or not os.path.isdir(target):
-        os.unlink(target)
-        return
-    try:
-        shutil.rmtree(target, onerror=unlock_and_retry)
-        return
-    except (RecursionError, OSError):
-        pass
-    if os.geteuid() != 0:
-        # -R never follows the symlinks it meets inside the tree.
-        subprocess.run(["chmod", "-R", "u+rwx", "--", target], check=False, capture_output=True)
-    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", target], check=False, capture_output=True)
-    if os.path.lexists(target):
-        raise SandboxError(
-            ErrorCode.SANDBOX_UNAVAILABLE,
-            f"cannot remove {target}: {done.stderr.decode(errors='replace').strip()[:500]}",
-        )
 
 
 def _discard(session_dir: Path) -> None:
@@ -280,6 +278,15 @@ def _storage_root(session_dir: Path, confinement: Confinement) -> Path:
     """Where a session keeps what it writes (its workspace and an overlay's
     work directory): its own directory, or its mounted image when capped."""
     return session_dir if confinement.workspace_size is None else WorkspaceImage(session_dir).mount_point
+
+
+def _empty_upper(upper: Path, layer: Path) -> None:
+    """Give an overlay workspace a new, empty upper layer whose top has the
+    mode of the layer it now stands on (the workspace's own, as the guest
+    left it)."""
+    remove_tree(upper)
+    upper.mkdir(mode=0o755)
+    os.chmod(upper, stat.S_IMODE(os.stat(layer).st_mode))
 
 
 async def _unmount(image: WorkspaceImage) -> None:
@@ -430,8 +437,72 @@ class SessionHandle:
         """Store the session's retention in its session.json. Only while
         its lease is held, so no one else writes there meanwhile."""
         self._description["retention"] = retention
-        _write_json(self._dir / "session.json", self._description)
+        write_json(self._dir / "session.json", self._description)
         self.retention = retention
+
+    async def snapshot(self, name: str | None = None, *, copy: bool = False) -> Snapshot:
+        """Freeze the session's workspace as it is now: a :class:`Snapshot`
+        that ``Backend.create(snapshot=...)`` starts new sessions from,
+        durable in the state directory. The session goes on over it, on an
+        empty layer of its own. With an overlay (the native driver) nothing
+        is copied, whatever the workspace holds; otherwise (and for a stack
+        of more than MAX_STACK_DEPTH layers, once) the snapshot is a copy.
+
+        Only while no command or file operation runs (SANDBOX_BUSY
+        otherwise, like a policy change). A session bound to a host
+        directory is refused (SANDBOX_INVALID_ARGUMENT) unless ``copy`` says
+        to copy that directory's files."""
+        name = check_snapshot_name(name)
+        if not isinstance(copy, bool):
+            raise invalid_argument(f"copy must be True or False, not {copy!r}")
+        async with self._lifecycle:
+            if not self.live:
+                raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"session {self.session_id} is not running")
+            with self.session.exclusive("a snapshot"):
+                return await self._backend._take_snapshot(self, name, copy)
+
+    async def fork(
+        self,
+        n: int,
+        *,
+        network: object = "deny-all",
+        name: str | None = None,
+        idle_timeout: float | None = None,
+        destroy_on_close: bool = False,
+        destroy_on_idle: bool = False,
+        retention: float | None = None,
+    ) -> list[SessionHandle]:
+        """:meth:`snapshot`, then ``n`` new sessions over it, with
+        ``network`` and the other options as ``Backend.create`` takes them,
+        and this session's mounts and confinement (a workspace size cap
+        bounds each fork's own layer). The forks never see each other's
+        writes, nor this session's later ones. If one cannot be made, those
+        made are deleted; the snapshot stays (this session stands on it)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_POOL_SIZE:
+            raise invalid_argument(f"n must be an integer from 1 to {MAX_POOL_SIZE}, not {n!r}")
+        check_network_policy(network)
+        snapshot = await self.snapshot(name)
+        forks: list[SessionHandle] = []
+        try:
+            for _ in range(n):
+                forks.append(
+                    await self._backend.create(
+                        snapshot=snapshot,
+                        network=network,
+                        idle_timeout=idle_timeout,
+                        destroy_on_close=destroy_on_close,
+                        destroy_on_idle=destroy_on_idle,
+                        retention=retention,
+                        mounts=[Mount(**mount) for mount in self._description.get("mounts", [])],
+                        confinement=Confinement.from_dict(self._description.get("confinement", {})),
+                    )
+                )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for fork in forks:
+                    await fork.delete()
+            raise
+        return forks
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
@@ -487,6 +558,7 @@ class Backend:
         self._nursery = nursery
         self._slots = CommandSlots(max_concurrent_commands)
         self._templates = TemplateStore(state_directory / "templates")
+        self._snapshots = SnapshotStore(state_directory / "snapshots")
         self._sessions = state_directory / "sessions"
         self._overlay = self._driver_class.supports_overlay
         self._live: set[SessionHandle] = set()
@@ -521,6 +593,7 @@ class Backend:
         template: str | None = None,
         state: Mapping | None = None,
         workspace: str | os.PathLike[str] | None = None,
+        snapshot: Snapshot | Mapping | str | None = None,
         network: object = "deny-all",
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
@@ -530,9 +603,11 @@ class Backend:
         confinement: Confinement | None = None,
     ) -> SessionHandle:
         """Start a session: a new one from ``template`` (a key from
-        :meth:`prewarm`), a new one over the host directory ``workspace``,
-        or a stopped one again from its ``state`` (with the same template).
-        The network policy is given every time; it is never stored.
+        :meth:`prewarm`), a new one over the host directory ``workspace``, a
+        new one whose workspace starts as ``snapshot`` (see
+        :meth:`SessionHandle.snapshot`), or a stopped one again from its
+        ``state`` (with the same template). The network policy is given
+        every time; it is never stored.
 
         After ``idle_timeout`` seconds without activity (a command starting
         or ending, a file operation, a gateway request; a running command
@@ -580,7 +655,11 @@ class Backend:
             if state is not None:
                 raise invalid_argument("retention is given when a session is created; a resumed session keeps its own")
             retention = check_seconds(retention, "retention")
-        if state is not None:
+        if snapshot is not None:
+            if template is not None or workspace is not None or state is not None:
+                raise invalid_argument("give snapshot= alone: its session's workspace starts as the snapshot")
+            handle = await self._create_from_snapshot(snapshot_id_of(snapshot), policy, extra, confinement)
+        elif state is not None:
             handle = await self._resume(state, template, workspace, policy)
         elif workspace is not None:
             if template is not None:
@@ -634,6 +713,32 @@ class Backend:
         session_dir = await self._make_session_dir(description, confinement)
         return await self._attach(session_dir, description, confinement, policy, new=True)
 
+    async def _create_from_snapshot(
+        self, snapshot_id: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
+    ) -> SessionHandle:
+        """A new session over a snapshot: an empty upper layer over its
+        layers, or (without an overlay) a copy of it. The session's record
+        is written under the store's lock, so the snapshot cannot be deleted
+        from under it."""
+        layout = "overlay" if self._overlay else "copy"
+
+        def make() -> tuple[Path, dict]:
+            with self._snapshots.locked():
+                snapshot = self._snapshots.read(snapshot_id)
+                if snapshot.backend != self.name:
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_STATE_MISMATCH,
+                        f"snapshot {snapshot_id} belongs to backend {snapshot.backend!r}, not {self.name!r}",
+                    )
+                description = self._new_description(snapshot.template, layout, mounts, confinement)
+                description["snapshot"] = snapshot.id
+                if layout == "overlay":
+                    description["layers"], description["on_template"] = list(snapshot.layers), snapshot.on_template
+                return self._make_session_dir_now(description, confinement), description
+
+        session_dir, description = await trio.to_thread.run_sync(make)
+        return await self._attach(session_dir, description, confinement, policy, new=True)
+
     async def _create_bound(
         self,
         workspace: str | os.PathLike[str],
@@ -674,26 +779,26 @@ class Backend:
         }
 
     async def _make_session_dir(self, description: dict, confinement: Confinement) -> Path:
+        return await trio.to_thread.run_sync(self._make_session_dir_now, description, confinement)
+
+    def _make_session_dir_now(self, description: dict, confinement: Confinement) -> Path:
         """Create a session directory under a temporary name and rename it
         into place, so no half-made session is ever visible. A capped
-        session's workspace directory is in its image."""
-
-        def make() -> Path:
-            staging = self._sessions / f".new-{description['session']}"
-            staging.mkdir(mode=0o700, parents=True)
-            with contextlib.ExitStack() as on_failure:
-                on_failure.callback(remove_tree, staging)
-                if confinement.workspace_size is None:
-                    (staging / "workspace").mkdir(mode=0o755)
-                else:
-                    WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
-                _write_json(staging / "session.json", description)
-                final = self._sessions / description["session"]
-                os.rename(staging, final)
-                on_failure.pop_all()
-            return final
-
-        return await trio.to_thread.run_sync(make)
+        session's workspace directory is in its image. Runs in a worker
+        thread."""
+        staging = self._sessions / f".new-{description['session']}"
+        staging.mkdir(mode=0o700, parents=True)
+        with contextlib.ExitStack() as on_failure:
+            on_failure.callback(remove_tree, staging)
+            if confinement.workspace_size is None:
+                (staging / "workspace").mkdir(mode=0o755)
+            else:
+                WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
+            write_json(staging / "session.json", description)
+            final = self._sessions / description["session"]
+            os.rename(staging, final)
+            on_failure.pop_all()
+        return final
 
     async def _resume(self, state: object, template: object, workspace: object, policy: NetworkPolicy) -> SessionHandle:
         if not isinstance(state, Mapping):
@@ -744,6 +849,10 @@ class Backend:
                 handle._image = WorkspaceImage(session_dir)
                 await trio.to_thread.run_sync(handle._image.mount)
                 on_failure.push_async_callback(_unmount, handle._image)
+            if "pending_snapshot" in description:
+                # Its owner died taking a snapshot: finish or undo that first.
+                upper = _storage_root(session_dir, confinement) / "workspace"
+                await trio.to_thread.run_sync(self._settle_snapshot, session_dir, description, upper)
             network = SessionNetwork(
                 self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch()
             )
@@ -799,9 +908,9 @@ class Backend:
             # leftovers, some of which it makes mode 000.
             await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
-            overlay = (self._templates.files_of(description["template"]), scratch)
+            overlay = (self._lower_layers(description), scratch)
         elif layout == "copy" and new:
-            await self._copy_template(description["template"], workspace)
+            await self._fill(description, workspace)
         start = functools.partial(
             self._driver_class.start,
             workspace,
@@ -818,23 +927,167 @@ class Backend:
             if not new:
                 raise
         # This kernel cannot overlay here: remember, and copy this session's
-        # template into its workspace instead.
+        # template (or snapshot) into its workspace instead.
         self._overlay = False
         description["layout"] = "copy"
+        description.pop("layers", None)
+        description.pop("on_template", None)
         await trio.to_thread.run_sync(remove_tree, storage / "overlay-work")
-        await self._copy_template(description["template"], workspace)
-        await trio.to_thread.run_sync(_write_json, session_dir / "session.json", description)
+        await self._fill(description, workspace)
+        await trio.to_thread.run_sync(write_json, session_dir / "session.json", description)
         return await start()
 
-    async def _copy_template(self, key: str, workspace: Path) -> None:
+    def _lower_layers(self, description: dict) -> list[Path]:
+        """An overlay workspace's read-only layers, topmost first."""
+        layers, on_template = stack_of(description)
+        for snapshot_id in layers:
+            if not self._snapshots.files_of(snapshot_id).is_dir():
+                raise SandboxError(
+                    ErrorCode.SANDBOX_STATE_MISMATCH,
+                    f"session {description['session']} stands on snapshot {snapshot_id}, which is gone",
+                )
+        lowers = [self._snapshots.files_of(snapshot_id) for snapshot_id in layers]
+        return lowers + ([self._templates.files_of(description["template"])] if on_template else [])
+
+    async def _fill(self, description: dict, workspace: Path) -> None:
+        """Copy a new session's starting files into its (copied) workspace:
+        the snapshot it is made from, merged whole, or its template."""
+        source = description.get("snapshot")
+
+        def fill() -> None:
+            if source is None:
+                copy_tree(self._templates.files_of(description["template"]), workspace)
+                return
+            with self._snapshots.locked():  # not deleted while it is copied
+                snapshot = self._snapshots.read(source)
+                layers = [self._snapshots.files_of(snapshot_id) for snapshot_id in snapshot.layers]
+                if snapshot.on_template:
+                    layers.append(self._templates.files_of(snapshot.template))
+                merge_layers(layers, workspace)
+
         try:
-            await trio.to_thread.run_sync(copy_tree, self._templates.files_of(key), workspace)
+            await trio.to_thread.run_sync(fill)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
+            what = f"snapshot {source}" if source is not None else f"template {description['template']}"
             raise SandboxError(
-                ErrorCode.SANDBOX_LIMIT, f"template {key} does not fit in the session's workspace: {exc.strerror}"
+                ErrorCode.SANDBOX_LIMIT, f"{what} does not fit in the session's workspace: {exc.strerror}"
             ) from None
+
+    async def _take_snapshot(self, handle: SessionHandle, name: str | None, copy: bool) -> Snapshot:
+        """See :meth:`SessionHandle.snapshot`; the caller has the session to
+        itself."""
+        description = handle._description
+        layout = description["layout"]
+        if layout == "bound" and not copy:
+            raise invalid_argument(
+                f"session {handle.session_id} works on the host directory {description['workspace']}; a snapshot"
+                " of it is a copy of that directory's files: pass copy=True to make one"
+            )
+        layers, on_template = stack_of(description)
+        confinement = Confinement.from_dict(description.get("confinement", {}))
+        if layout == "bound":
+            workspace = Path(description["workspace"])
+        else:
+            workspace = _storage_root(handle._dir, confinement) / "workspace"
+        snapshot_id = new_snapshot_id()
+        known = {
+            "id": snapshot_id,
+            "name": name,
+            "parent": description.get("snapshot"),
+            "created": time.time(),
+            "bytes": None,
+            "backend": self.name,
+            "template": description["template"],
+        }
+        layer_list = functools.partial(self._lower_layers, description)
+        if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
+            snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
+            freeze = functools.partial(self._freeze_upper, handle._dir, description, workspace, snapshot)
+            await handle._driver.restack(freeze, layer_list)
+            return snapshot
+        # A whole copy: of a copied or bound workspace, or of a stack that
+        # has grown too deep, which then stands on the copy alone.
+        snapshot = Snapshot(**known, layers=(snapshot_id,), on_template=False)
+        sources = [workspace, *(self._lower_layers(description) if layout == "overlay" else [])]
+        await trio.to_thread.run_sync(self._store_copy, snapshot, sources)
+        description["snapshot"] = snapshot_id
+        if layout != "overlay":
+            await trio.to_thread.run_sync(write_json, handle._dir / "session.json", description)
+            return snapshot
+
+        def stand_on_copy() -> None:
+            # The record first: should this process die before the upper
+            # layer is emptied, what is left there is in the copy below too.
+            description["layers"], description["on_template"] = [snapshot_id], False
+            write_json(handle._dir / "session.json", description)
+            _empty_upper(workspace, self._snapshots.files_of(snapshot_id))
+
+        await handle._driver.restack(stand_on_copy, layer_list)
+        return snapshot
+
+    def _store_copy(self, snapshot: Snapshot, sources: list[Path]) -> None:
+        """Put a snapshot in the store whose layer is ``sources`` (topmost
+        first) merged whole."""
+        with self._snapshots.locked():
+            files = self._snapshots.begin(snapshot)
+            try:
+                files.mkdir(mode=0o700)
+                merge_layers(sources, files)
+                self._snapshots.commit(snapshot.id)
+            except BaseException:
+                self._snapshots.abandon(snapshot.id)
+                raise
+
+    def _freeze_upper(self, session_dir: Path, description: dict, upper: Path, snapshot: Snapshot) -> None:
+        """Move an overlay workspace's upper layer into the store as
+        ``snapshot``'s layer. The session's record says so first
+        ("pending_snapshot"), so that a process dying at any point leaves
+        what the next attach finishes or undoes (see _settle_snapshot)."""
+        with self._snapshots.locked():
+            files = self._snapshots.begin(snapshot)
+            description["pending_snapshot"] = snapshot.id
+            try:
+                write_json(session_dir / "session.json", description)
+                move_tree(upper, files)
+                self._snapshots.commit(snapshot.id)
+            finally:
+                self._settle_snapshot_locked(session_dir, description, upper)
+
+    def _settle_snapshot(self, session_dir: Path, description: dict, upper: Path) -> None:
+        with self._snapshots.locked():
+            self._settle_snapshot_locked(session_dir, description, upper)
+
+    def _settle_snapshot_locked(self, session_dir: Path, description: dict, upper: Path) -> None:
+        """Finish or undo the snapshot a session's record says is under way:
+        finished once its layer is whole in the store (the session then
+        stands on it, over an empty upper layer), undone otherwise (the
+        upper layer never left)."""
+        snapshot_id = description.pop("pending_snapshot")
+        store = self._snapshots
+        if not store.exists(snapshot_id) and (store.staging(snapshot_id) / "files").is_dir():
+            store.commit(snapshot_id)
+        if store.exists(snapshot_id):
+            layers, on_template = stack_of(description)
+            description["layers"], description["on_template"] = [snapshot_id, *layers], on_template
+            description["snapshot"] = snapshot_id
+            _empty_upper(upper, store.files_of(snapshot_id))
+        else:
+            store.abandon(snapshot_id)
+        write_json(session_dir / "session.json", description)
+
+    async def snapshots(self) -> list[Snapshot]:
+        """Every snapshot in the state directory, oldest first."""
+        self._check_open()
+        return await trio.to_thread.run_sync(self._snapshots.all)
+
+    async def delete_snapshot(self, snapshot: Snapshot | Mapping | str) -> None:
+        """Delete a snapshot: SANDBOX_BUSY while a session (stopped or not)
+        or another snapshot stands on it, SANDBOX_NOT_FOUND if there is
+        none. Sessions made from it by copy do not need it."""
+        self._check_open()
+        await trio.to_thread.run_sync(delete_snapshot, self.state_directory, snapshot_id_of(snapshot))
 
     def audit_records(self, buffer: int = 1000):
         """An async context manager giving a stream of the gateway's audit
@@ -918,6 +1171,22 @@ class Backend:
             await handle.shutdown()
 
 
+def delete_snapshot(state_directory: Path, snapshot_id: str) -> None:
+    """See :meth:`Backend.delete_snapshot`; also for operators, without a
+    backend (``sandboxns snapshot delete``)."""
+    store = SnapshotStore(state_directory / "snapshots")
+    with store.locked():
+        users = store.users()
+        for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
+            try:
+                description = read_description(state_directory, session_id)
+            except SandboxError:
+                continue  # gone meanwhile, or not usable anyway
+            layers, _ = stack_of(description)
+            users[f"session {session_id}"] = [*layers, *filter(None, [description.get("pending_snapshot")])]
+        store.delete(snapshot_id, users)
+
+
 def stored_session_state(state_directory: str | os.PathLike[str], session_id: str) -> dict:
     """The descriptor (as :meth:`SessionHandle.capture_state` gives it) of
     session ``session_id`` stored in ``state_directory``; names its backend,
@@ -972,7 +1241,7 @@ async def open_backend(
     root = Path(state_directory).absolute()
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for part in ("templates", "sessions"):
+        for part in ("templates", "sessions", "snapshots"):
             (root / part).mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot use state directory {root}: {exc}") from None

@@ -479,7 +479,7 @@ class BwrapDriver(HostWorkspaceIO):
         network: object = "deny-all",
         uid: int = 1000,
         gid: int = 1000,
-        overlay: tuple[Path, Path] | None = None,
+        overlay: tuple[Sequence[Path], Path] | None = None,
         lease: Lease | None = None,
         gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),

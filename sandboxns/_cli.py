@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import os
 import signal
 import sys
@@ -16,14 +18,16 @@ import trio
 from ._backend import (
     default_state_directory,
     delete_expired_sessions,
+    delete_snapshot,
     open_backend,
-    remove_tree,
     stored_session_state,
 )
 from ._errors import ErrorCode, SandboxError
+from ._layers import remove_tree
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
 from ._session import DEFAULT_TIMEOUT, Session, check_command
+from ._snapshots import SnapshotStore, snapshot_id_of
 from ._spec import SandboxSpec
 
 # Exit statuses of `sandboxns run` itself, as coreutils' timeout and env use them.
@@ -261,6 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     gc.add_argument("--dry-run", action="store_true", help="only list the sessions that would be deleted")
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="list or delete the snapshots in a state directory",
+        description="Snapshots are made through the API (SessionHandle.snapshot and fork); these are for operators.",
+    )
+    snapshot_commands = snapshot.add_subparsers(dest="snapshot_command", required=True)
+    listing = snapshot_commands.add_parser("list", help="show every snapshot, oldest first")
+    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    listing.add_argument("--json", action="store_true", help="one JSON list of the snapshots' records")
+    delete = snapshot_commands.add_parser(
+        "delete", help="delete a snapshot", description="Refused while a session or another snapshot stands on it."
+    )
+    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete.add_argument("snapshot", help="snapshot id (from 'snapshot list')")
     mcp = commands.add_parser(
         "mcp",
         help="serve a sandbox session's coding tools over MCP (stdio)",
@@ -301,6 +319,21 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _snapshot(args: argparse.Namespace) -> int:
+    if args.snapshot_command == "delete":
+        delete_snapshot(args.state_dir, snapshot_id_of(args.snapshot))
+        print(f"{args.snapshot}  deleted")
+        return 0
+    snapshots = SnapshotStore(args.state_dir / "snapshots").all()
+    if args.json:
+        print(json.dumps([snapshot.to_dict() for snapshot in snapshots], indent=1))
+        return 0
+    for snapshot in snapshots:
+        created = datetime.datetime.fromtimestamp(snapshot.created, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        print(f"{snapshot.id}  {created}  {snapshot.bytes} bytes  depth {snapshot.depth}  {snapshot.name or ''}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.subcommand == "doctor":
@@ -314,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _lease(args)
         if args.subcommand == "gc":
             return _gc(args)
+        if args.subcommand == "snapshot":
+            return _snapshot(args)
         if args.subcommand == "validate":
             return _validate(args)
         if args.subcommand == "exec":

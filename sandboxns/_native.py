@@ -15,7 +15,7 @@ import errno
 import os
 import signal
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import trio
@@ -32,7 +32,7 @@ from ._driver import (
     check_start_arguments,
     received_fds,
 )
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
@@ -154,16 +154,17 @@ class NativeDriver(HostWorkspaceIO):
         network: object = "deny-all",
         uid: int = 1000,
         gid: int = 1000,
-        overlay: tuple[Path, Path] | None = None,
+        overlay: tuple[Sequence[Path], Path] | None = None,
         lease: Lease | None = None,
         gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
-        ``workspace``. With ``overlay=(template, scratch)`` the workspace is
+        ``workspace``. With ``overlay=(lowers, scratch)`` the workspace is
         instead the overlay of ``workspace`` (the writable upper layer) on the
-        read-only ``template``; ``scratch`` is overlayfs's work directory.
+        read-only ``lowers`` (topmost first: snapshots, then a template);
+        ``scratch`` is overlayfs's work directory.
         ``lease``, a held session lease, is shared with the holder's
         launcher, so it stays locked until every process of the session is
         gone, even if this process dies first. ``gateway`` is the session's
@@ -194,11 +195,11 @@ class NativeDriver(HostWorkspaceIO):
             self._base_argv.append("--host-ids={}:{}".format(*host_ids))
             self._fs_ids = host_ids
         if overlay is not None:
-            template, scratch = overlay
-            self._base_argv += [
-                f"--overlay-lower={Path(template).resolve()}",
-                f"--overlay-work={Path(scratch).resolve()}",
-            ]
+            lowers, scratch = overlay
+            self._base_argv.append(f"--overlay-work={Path(scratch).resolve()}")
+            self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
+        else:
+            self._overlay_lowers = []
         self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
         self._lease = lease
         self._closed = False
@@ -224,7 +225,7 @@ class NativeDriver(HostWorkspaceIO):
 
     async def _launch(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Start a holder for this session's workspace with this network."""
-        argv = list(self._base_argv)
+        argv = [*self._base_argv, *(f"--overlay-lower={lower}" for lower in self._overlay_lowers)]
         if policy.shares_host_network:
             argv.append("--share-network")
         if gateway is not None:
@@ -301,6 +302,31 @@ class NativeDriver(HostWorkspaceIO):
                 self._release()
                 self._stopped.set()
                 raise
+
+    async def restack(self, move: Callable[[], None], layers: Callable[[], Sequence[Path]]) -> None:
+        """Give the overlay workspace new read-only layers, for a snapshot:
+        with no command running, the holder, which has the layers mounted,
+        is stopped, ``move`` rearranges them in a worker thread, and a
+        holder is started over ``layers()``, the lower layers as they are
+        then (topmost first), whether ``move`` succeeded or not."""
+        self._check_usable()
+        if not self._overlay_lowers:
+            raise invalid_argument("the session's workspace is no overlay")
+        with trio.CancelScope(shield=True):  # a session without its holder is no session
+            async with self._holder_lock:
+                self._check_usable()
+                await self._stop_holder()
+                try:
+                    await trio.to_thread.run_sync(move)
+                finally:
+                    try:
+                        self._overlay_lowers = [Path(lower).resolve() for lower in layers()]
+                        await self._launch(self.network, self._gateway)
+                    except BaseException:
+                        self._closed = True
+                        self._release()
+                        self._stopped.set()
+                        raise
 
     def _check_usable(self) -> None:
         if self._holder_died:

@@ -14,7 +14,7 @@ import os
 import posixpath
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -213,7 +213,10 @@ class Session:
         self._admission = admission
         self._network = network
         self._running = 0
-        self._changing_network = False
+        self._file_operations = 0
+        # What has the session to itself right now (a policy change, a
+        # snapshot), or None; see exclusive().
+        self._exclusive: str | None = None
         # Bumped by every policy change: whatever was prepared under an
         # older generation is void.
         self.network_generation = 0
@@ -275,16 +278,45 @@ class Session:
         """The network policy in force (its repr never shows header values)."""
         return self.driver.network
 
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """For ``what`` (a policy change, a snapshot), which needs the
+        session to itself: SANDBOX_BUSY while a command or a file operation
+        runs, and until the block ends every new one is SANDBOX_BUSY."""
+        if self._running or self._file_operations or self._exclusive is not None:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY,
+                f"{what} can only happen while no command or file operation runs in the session",
+            )
+        self._exclusive = what
+        self.touch()
+        try:
+            yield
+        finally:
+            self._exclusive = None
+
+    def _check_not_exclusive(self) -> None:
+        if self._exclusive is not None:
+            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"the session is busy: {self._exclusive} is under way")
+
+    @contextlib.contextmanager
+    def _file_operation(self) -> Iterator[None]:
+        self._check_not_exclusive()
+        self._file_operations += 1
+        self.touch()
+        try:
+            yield
+        finally:
+            self._file_operations -= 1
+
     async def set_network_policy(self, policy: object) -> None:
         """Replace the session's network policy. Refused with SANDBOX_BUSY
         while any command runs; policies are never stored on disk."""
         checked = check_network_policy(policy)
-        if self._running or self._changing_network:
-            raise SandboxError(
-                ErrorCode.SANDBOX_BUSY, "the network policy can only change while no command runs in the session"
-            )
-        self._changing_network = True
-        self.touch()
+        with self.exclusive("a change of the network policy"):
+            await self._apply_network_policy(checked)
+
+    async def _apply_network_policy(self, checked: NetworkPolicy) -> None:
         try:
             if self._network is not None:
                 await self._network.apply(self.driver, checked)
@@ -296,13 +328,12 @@ class Session:
             else:
                 await self.driver.set_network(checked, None)
         finally:
-            self._changing_network = False
             self.network_generation += 1
 
     async def read_file(self, path: str) -> bytes:
         """The content of a workspace file (at most 1 MiB)."""
-        self.touch()
-        return await self.driver.read_bytes(normalize_path(path), self.max_file_bytes)
+        with self._file_operation():
+            return await self.driver.read_bytes(normalize_path(path), self.max_file_bytes)
 
     async def read_text_file(self, path: str) -> str:
         """A workspace file as text. It must be valid UTF-8: anything else is
@@ -327,8 +358,8 @@ class Session:
             raise SandboxError(
                 ErrorCode.SANDBOX_LIMIT, f"{len(data)} bytes is over the {self.max_file_bytes}-byte limit"
             )
-        self.touch()
-        await self.driver.write_bytes(guest_path, data)
+        with self._file_operation():
+            await self.driver.write_bytes(guest_path, data)
 
     async def write_text_file(self, path: str, text: str) -> None:
         if not isinstance(text, str):
@@ -336,16 +367,16 @@ class Session:
         await self.write_file(path, text.encode("utf-8"))
 
     async def list_dir(self, path: str = ".") -> list[DirEntry]:
-        self.touch()
-        return await self.driver.list_dir(normalize_path(path))
+        with self._file_operation():
+            return await self.driver.list_dir(normalize_path(path))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        self.touch()
-        await self.driver.remove(normalize_path(path), recursive=bool(recursive))
+        with self._file_operation():
+            await self.driver.remove(normalize_path(path), recursive=bool(recursive))
 
     async def mkdir(self, path: str, *, parents: bool = False) -> None:
-        self.touch()
-        await self.driver.mkdir(normalize_path(path), parents=bool(parents))
+        with self._file_operation():
+            await self.driver.mkdir(normalize_path(path), parents=bool(parents))
 
     async def run(
         self,
@@ -421,8 +452,7 @@ class Session:
         (the CLI's own input; the fd itself never reaches the guest).
         On cancellation the command gets ``cancel_grace`` seconds between
         SIGTERM and SIGKILL."""
-        if self._changing_network:
-            raise SandboxError(ErrorCode.SANDBOX_BUSY, "the session's network policy is being changed")
+        self._check_not_exclusive()
         policy = self.driver.network
         if policy.needs_gateway:
             env = {**PROXY_ENVIRONMENT, **(PROXY_TRUST_ENVIRONMENT if policy.intercepts else {}), **env}

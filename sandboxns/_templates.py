@@ -149,15 +149,3 @@ def _copy_file(source: int, target: int) -> None:
             raise
         while os.sendfile(target, source, None, 1 << 30):
             pass
-
-
-def copy_tree(source: Path, target: Path) -> None:
-    """Copy a template's files into an (existing, empty) workspace."""
-    for directory, subdirectories, names in os.walk(source):
-        relative = os.path.relpath(directory, source)
-        destination = target if relative == "." else target / relative
-        for subdirectory in subdirectories:
-            (destination / subdirectory).mkdir(mode=0o755)
-        for name in names:
-            with open(os.path.join(directory, name), "rb") as src, open(destination / name, "xb") as dst:
-                _copy_file(src.fileno(), dst.fileno())

@@ -52,7 +52,8 @@ from pathlib import Path
 
 import trio
 
-from ._backend import SessionHandle, open_backend, remove_tree, stored_session_state
+from ._backend import SessionHandle, open_backend, stored_session_state
+from ._layers import remove_tree
 from ._driver import Mount
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE

@@ -14,7 +14,7 @@ import trio
 from conftest import refused
 
 from sandboxns import ErrorCode, SandboxError, adapters
-from sandboxns._backend import remove_tree
+from sandboxns._layers import remove_tree
 
 pytestmark = [pytest.mark.smoke, pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")]
 
