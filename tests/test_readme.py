@@ -23,5 +23,5 @@ def test_readme_example_runs(index, tmp_path):
         [sys.executable, "-c", EXAMPLES[index]], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    if "prewarm" in EXAMPLES[index]:
+    if "hello.txt" in EXAMPLES[index]:
         assert result.stdout == "hello\nhello\n"

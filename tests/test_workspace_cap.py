@@ -357,3 +357,30 @@ async def test_a_crashed_owners_mount_is_taken_over(driver_name, state_dir):
         assert result.stdout == "1\n", result
         await handle.delete()
     assert mounts_at(storage) == []
+
+
+@capable_host
+async def test_each_fork_of_a_capped_session_has_the_cap_on_its_own_layer(backend):
+    # Native: the snapshot's layer is moved off the origin's image (copied:
+    # another file system) and shared; each fork writes on an image of its
+    # own, which the layer below does not fill. bwrap: each fork's workspace
+    # is a whole copy, on its own image, which the copy fills.
+    template = await backend.prewarm(template="capped-fork", files={"a": b"1"})
+    async with await backend.create(template=template.template_key, confinement=CAPPED) as origin:
+        assert (await origin.session.run("sh", ["-c", "head -c 20M /dev/zero > half; echo $?"])).stdout == "0\n"
+        forks = await origin.fork(2)
+        try:
+            for fork in forks:
+                assert fork._image is not None and fork._image.path != origin._image.path
+                more = await fork.session.run("sh", ["-c", "head -c 20M /dev/zero > more; echo $?"])
+                if backend.name == "native":  # the 20 MiB below do not count: 20 more fit, 40 do not
+                    assert more.stdout == "0\n", more
+                    filled = await fork.session.run("sh", ["-c", FILL])
+                else:  # the copy's 20 MiB count
+                    filled = more
+                assert filled.stdout.strip() != "0" and "No space left" in filled.stderr, filled
+                assert (await fork.session.run("sh", ["-c", "wc -c < half"])).stdout == f"{20 << 20}\n"
+        finally:
+            for fork in forks:
+                await fork.delete()
+        assert (await origin.session.run("sh", ["-c", "ls"])).stdout.split() == ["a", "half"]
