@@ -467,12 +467,13 @@ class SessionHandle:
         *,
         network: object = "deny-all",
         name: str | None = None,
+        copy: bool = False,
         idle_timeout: float | None = None,
         destroy_on_close: bool = False,
         destroy_on_idle: bool = False,
         retention: float | None = None,
     ) -> list[SessionHandle]:
-        """:meth:`snapshot`, then ``n`` new sessions over it, with
+        """:meth:`snapshot` (``name``, ``copy``), then ``n`` new sessions over it, with
         ``network`` and the other options as ``Backend.create`` takes them,
         and this session's mounts and confinement (a workspace size cap
         bounds each fork's own layer). The forks never see each other's
@@ -481,7 +482,7 @@ class SessionHandle:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_POOL_SIZE:
             raise invalid_argument(f"n must be an integer from 1 to {MAX_POOL_SIZE}, not {n!r}")
         check_network_policy(network)
-        snapshot = await self.snapshot(name)
+        snapshot = await self.snapshot(name, copy=copy)
         forks: list[SessionHandle] = []
         try:
             for _ in range(n):

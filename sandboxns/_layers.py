@@ -37,10 +37,13 @@ def is_whiteout(entry: os.stat_result) -> bool:
 
 
 def is_opaque(path: str) -> bool:
-    try:
-        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
+    """Whether an upper layer's directory hides the ones below (reading a
+    user xattr needs read access, which a guest's chmod may have taken)."""
+    with _readable(path, os.lstat(path)):
+        try:
+            return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
+        except OSError:
+            return False
 
 
 @contextlib.contextmanager
@@ -119,11 +122,23 @@ def copy_tree(source: Path, target: Path) -> None:
 
 
 def _merge(directories: list[str], target: str, links: dict[tuple[int, int], str], top: bool = False) -> None:
-    entries: dict[str, list[tuple[str, os.stat_result]]] = {}
-    for directory in directories:
-        with _readable(directory, os.lstat(directory)), os.scandir(directory) as listing:
-            for entry in listing:
-                entries.setdefault(entry.name, []).append((entry.path, entry.stat(follow_symlinks=False)))
+    with contextlib.ExitStack() as readable:  # for as long as what is below them is copied
+        entries: dict[str, list[tuple[str, os.stat_result]]] = {}
+        for directory in directories:
+            readable.enter_context(_readable(directory, os.lstat(directory)))
+            with os.scandir(directory) as listing:
+                for entry in listing:
+                    entries.setdefault(entry.name, []).append((entry.path, entry.stat(follow_symlinks=False)))
+        _merge_entries(entries, target, links)
+    if top:
+        info = os.lstat(directories[0])
+        os.chmod(target, stat.S_IMODE(info.st_mode))
+
+
+def _merge_entries(
+    entries: dict[str, list[tuple[str, os.stat_result]]], target: str, links: dict[tuple[int, int], str]
+) -> None:
+    """Copy one directory's entries, each as its topmost layer has it."""
     for name, found in entries.items():
         path, info = found[0]
         if is_whiteout(info):
@@ -142,9 +157,6 @@ def _merge(directories: list[str], target: str, links: dict[tuple[int, int], str
         _copy_xattrs(path, destination)
         os.chmod(destination, stat.S_IMODE(info.st_mode))
         os.utime(destination, ns=(info.st_atime_ns, info.st_mtime_ns))
-    if top:
-        info = os.lstat(directories[0])
-        os.chmod(target, stat.S_IMODE(info.st_mode))
 
 
 def tree_bytes(root: Path) -> int:

@@ -32,6 +32,7 @@ snapshot needs it; deleting a session never deletes a layer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -261,6 +262,8 @@ class SnapshotStore:
         for name in names:
             try:
                 snapshots.append(self.measured(self.read(name)))
+            except FileNotFoundError:
+                continue  # deleted while it was measured
             except SandboxError as exc:
                 if exc.code is not ErrorCode.SANDBOX_NOT_FOUND:  # else deleted meanwhile
                     raise
@@ -270,7 +273,7 @@ class SnapshotStore:
         """The snapshot with its size, measured and recorded if it was not."""
         if snapshot.bytes is not None:
             return snapshot
-        measured = Snapshot(**{**snapshot.__dict__, "bytes": tree_bytes(self.files_of(snapshot.id))})
+        measured = dataclasses.replace(snapshot, bytes=tree_bytes(self.files_of(snapshot.id)))
         write_json(self.root / snapshot.id / "snapshot.json", measured.to_dict())
         return measured
 

@@ -140,6 +140,25 @@ async def test_forks_of_a_large_workspace_each_see_their_own_writes_and_nothing_
                 await fork.delete()
 
 
+async def test_what_shuts_its_owner_out_is_snapshotted_all_the_same(backend):
+    # A guest's chmod 000 on a directory (made new over a template's, so
+    # opaque) and on a file: a copy, a flattening merge and a fork read them
+    # all the same, and keep the modes (as a non-root host, CI's smoke run).
+    template = await backend.prewarm(template="locked", files={"locked/old": b"template\n"})
+    async with await backend.create(template=template.template_key) as origin:
+        await sh(origin, "rm -r locked; mkdir -p locked/inner; echo x > locked/inner/file; echo s > secret")
+        await sh(origin, "chmod 000 locked/inner locked secret")
+        forks = [await backend.create(snapshot=await origin.snapshot()) for _ in range(2)]
+        if backend.name == "native":  # and once more, merged whole
+            while (snapshot := await origin.snapshot()).depth > 1:
+                pass
+            forks.append(await backend.create(snapshot=snapshot))
+        for fork in forks:
+            shown = await sh(fork, "stat -c %a locked secret; chmod 700 locked locked/inner secret; ls -A locked; cat locked/inner/file secret")
+            assert shown.stdout.split() == ["0", "0", "inner", "x", "s"], shown
+            await fork.delete()
+
+
 async def test_a_fork_stopped_and_resumed_keeps_its_files(backend):
     template = await backend.prewarm(template="resume", files={"a": b"template\n"})
     async with await backend.create(template=template.template_key) as origin:
@@ -268,6 +287,10 @@ async def test_a_bound_session_is_snapshotted_only_by_copy(backend, tmp_path):
         async with await backend.create(snapshot=snapshot) as fork:
             await sh(fork, "echo fork > mine; echo new > other")
             assert (await sh(fork, "cat mine other")).stdout == "fork\nnew\n"
+        await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, handle.fork(1))
+        [forked] = await handle.fork(1, copy=True)
+        await sh(forked, "echo forked > mine")
+        await forked.delete()
         assert sorted(p.name for p in bound.iterdir()) == ["mine"]
         assert (bound / "mine").read_text() == "host\n"
 
