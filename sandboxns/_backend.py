@@ -82,6 +82,8 @@ logger = logging.getLogger("sandboxns")
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
 MAX_CONCURRENT_COMMANDS_LIMIT = 4096
 MAX_POOL_SIZE = 1024
+# How many of a fork's sessions start at once.
+FORK_CONCURRENCY = max(2, os.cpu_count() or 1)
 STATE_FORMAT = 1
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 # A session.json is a few hundred bytes; a much larger one is not ours.
@@ -483,26 +485,43 @@ class SessionHandle:
             raise invalid_argument(f"n must be an integer from 1 to {MAX_POOL_SIZE}, not {n!r}")
         check_network_policy(network)
         snapshot = await self.snapshot(name, copy=copy)
-        forks: list[SessionHandle] = []
+        create = functools.partial(
+            self._backend.create,
+            snapshot=snapshot,
+            network=network,
+            idle_timeout=idle_timeout,
+            destroy_on_close=destroy_on_close,
+            destroy_on_idle=destroy_on_idle,
+            retention=retention,
+            mounts=[Mount(**mount) for mount in self._description.get("mounts", [])],
+            confinement=Confinement.from_dict(self._description.get("confinement", {})),
+        )
+        forks: list[SessionHandle | None] = [None] * n
+        failures: list[Exception] = []
+        # A session start is mostly the kernel making namespaces and mounts
+        # for a holder process: several overlap on the host's cores.
+        starting = trio.CapacityLimiter(min(n, FORK_CONCURRENCY))
+
+        async def start(index: int) -> None:
+            try:
+                async with starting:
+                    forks[index] = await create()
+            except Exception as exc:  # the first is the fork's failure; the others stop
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+
         try:
-            for _ in range(n):
-                forks.append(
-                    await self._backend.create(
-                        snapshot=snapshot,
-                        network=network,
-                        idle_timeout=idle_timeout,
-                        destroy_on_close=destroy_on_close,
-                        destroy_on_idle=destroy_on_idle,
-                        retention=retention,
-                        mounts=[Mount(**mount) for mount in self._description.get("mounts", [])],
-                        confinement=Confinement.from_dict(self._description.get("confinement", {})),
-                    )
-                )
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                for fork in forks:
-                    await fork.delete()
-            raise
+            async with trio.open_nursery() as nursery:
+                for index in range(n):
+                    nursery.start_soon(start, index)
+        finally:
+            if failures or None in forks:  # failed, or cancelled
+                with trio.CancelScope(shield=True):
+                    for fork in forks:
+                        if fork is not None:
+                            await fork.delete()
+        if failures:
+            raise failures[0]
         return forks
 
     async def delete(self) -> None:

@@ -388,3 +388,21 @@ async def test_the_cli_lists_and_deletes_snapshots(backend, state_dir):
     assert (await trio.to_thread.run_sync(cli, "list")).stdout.strip() == ""
     missing = await trio.to_thread.run_sync(cli, "delete", snapshot.id)
     assert missing.returncode != 0 and f"no snapshot {snapshot.id}" in missing.stderr
+
+
+async def test_a_fork_that_cannot_be_made_whole_leaves_no_fork(backend, state_dir):
+    # A session that cannot start: the host path of a mount is gone by then
+    # (the native origin, whose holder restarts for its snapshot, cannot
+    # start again either; bwrap's forks fail as they start).
+    template = await backend.prewarm(template="half", files={"a": b"1"})
+    gone = state_dir.parent / "gone"
+    gone.mkdir()
+    async with await backend.create(
+        template=template.template_key, mounts=[sandboxns.Mount(host=str(gone), guest="/run/gone")]
+    ) as origin:
+        gone.rmdir()
+        code = ErrorCode.SANDBOX_UNAVAILABLE if backend.name == "native" else ErrorCode.SANDBOX_NOT_FOUND
+        error = await refused(code, origin.fork(4))
+        assert "gone" in error.message, error
+        assert [p.name for p in (state_dir / "sessions").iterdir()] == [origin.session_id]
+        assert len(await backend.snapshots()) == 1  # the origin's, which it stands on
