@@ -11,6 +11,7 @@ HOLDER_SOURCES = [
     "csrc/holder.c",
     "csrc/userns.c",
     "csrc/rootfs.c",
+    "csrc/overlay.c",
     "csrc/net.c",
     "csrc/spawn.c",
     "csrc/serve.c",

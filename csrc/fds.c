@@ -39,11 +39,12 @@ int close_fds_except(const int *keep, int nkeep)
     return 0;
 }
 
-/* Receive one request message with its SBX_NFDS descriptors (close-on-exec).
- * Returns the message length, 0 at EOF, or -1 with errno set. A message that
- * arrives without a full set of fds has nobody to answer it: it is dropped
- * (EBADMSG), its fds closed. */
-ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int flags)
+/* Receive one request message with its descriptors (close-on-exec), 1 to
+ * SBX_NFDS of them, counted in *nfds_out: an exec request has SBX_NFDS, a
+ * restack request its reply socket alone. Returns the message length, 0 at
+ * EOF, or -1 with errno set. A message that arrives without one has nobody
+ * to answer it: it is dropped (EBADMSG), its fds closed. */
+ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int *nfds_out, int flags)
 {
     char control[CMSG_SPACE(sizeof(int) * SBX_NFDS)];
     struct iovec iov = {.iov_base = buf, .iov_len = size};
@@ -65,13 +66,14 @@ ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int f
             memcpy(fds, CMSG_DATA(c), sizeof(int) * (size_t)(nfds > SBX_NFDS ? SBX_NFDS : nfds));
         }
     }
-    if (nfds != SBX_NFDS || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (nfds < 1 || nfds > SBX_NFDS || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
         for (int i = 0; i < SBX_NFDS; i++)
             if (fds[i] >= 0)
                 close(fds[i]);
         errno = EBADMSG;
         return -1;
     }
+    *nfds_out = nfds;
     return len;
 }
 

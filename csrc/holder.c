@@ -290,6 +290,7 @@ static int wait_for_holder(pid_t holder, pid_t host)
 int main(int argc, char **argv)
 {
     struct holder_config cfg = {0};
+    struct overlay_stack stack;
     struct sbx_report err;
     pid_t holder;
     int passed[3], npassed = 1;
@@ -333,7 +334,8 @@ int main(int argc, char **argv)
         fail(&err, "pdeathsig", errno, "cannot set the parent-death signal: %s", strerror(errno));
         goto report;
     }
-    if (rootfs_build(&cfg, &err) < 0)
+    overlay_stack_init(&stack);
+    if (rootfs_build(&cfg, &stack, &err) < 0)
         goto report;
     close_prepared_layers(&cfg.prepared);
     if (sethostname(cfg.hostname, strlen(cfg.hostname)) < 0) {
@@ -365,7 +367,7 @@ int main(int argc, char **argv)
     /* The host has its own copies; no command may inherit these. */
     for (int i = 0; i < npassed; i++)
         close(passed[i]);
-    return holder_serve(CONTROL_FD, &cfg.commands);
+    return holder_serve(CONTROL_FD, &cfg.commands, &stack);
 report:
     report_send(CONTROL_FD, &err);
     return 1;

@@ -42,6 +42,16 @@ struct prepared_trees {
     int gateway_dir;
 };
 
+/* An overlay workspace's layers as the holder keeps them (overlay.c): fds of
+ * detached mounts, so that it can mount a new overlay over /workspace later
+ * (restack) without the host's tree. */
+struct overlay_stack {
+    int tree;                          /* the directory of the upper and work directories, or -1 */
+    int lowers[MAX_OVERLAY_LOWERS];    /* topmost first */
+    int nlowers;
+    int restackable;                   /* mounted from these fds, and nothing is mounted inside it */
+};
+
 /* One part of the guests' seccomp filter (enum sbx_seccomp_part), compiled. */
 struct seccomp_part {
     struct sock_filter insns[SBX_SECCOMP_MAX_INSNS];
@@ -88,7 +98,7 @@ void report_exit_status(int fd, int wait_status);
 
 /* fds.c */
 int close_fds_except(const int *keep, int nkeep);
-ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int flags);
+ssize_t receive_request(int fd, char *buf, size_t size, int fds[SBX_NFDS], int *nfds, int flags);
 int send_with_fds(int fd, const void *buf, size_t len, const int *fds, int nfds);
 
 /* userns.c */
@@ -98,7 +108,17 @@ int userns_forbid_nesting(struct sbx_report *err);
 int userns_empty_bounding_set(struct sbx_report *err);
 
 /* rootfs.c */
-int rootfs_build(const struct holder_config *cfg, struct sbx_report *err);
+int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, struct sbx_report *err);
+
+/* overlay.c */
+void overlay_stack_init(struct overlay_stack *stack);
+void overlay_stack_release(struct overlay_stack *stack);
+/* A detached overlay mount of the stack's layers under the upper and work
+ * directories named in its tree; -1 with errno set (before Linux 6.13 the
+ * kernel takes no layer by fd). */
+int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name);
+int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
+                    const char *work_name, int *workspace_fd, struct sbx_report *err);
 
 /* net.c */
 int net_loopback_up(struct sbx_report *err);
@@ -116,7 +136,7 @@ pid_t spawn_idle_init(const struct command_settings *settings, int *pidfd, int *
                       struct sbx_report *err);
 
 /* serve.c */
-int holder_serve(int control_fd, const struct command_settings *settings);
+int holder_serve(int control_fd, const struct command_settings *settings, struct overlay_stack *stack);
 
 /* limits.c */
 int limits_apply(const uint64_t values[SBX_NRLIMITS], struct sbx_report *err);

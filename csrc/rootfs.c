@@ -160,6 +160,53 @@ static void layer_path(char *out, size_t size, const char *sibling)
     snprintf(out, size, LAYERS "/upper/%s", basename(copy));
 }
 
+/* The workspace's layers as fds for the holder to keep (see overlay.c):
+ * clones, made in the session's own mount namespace (overlayfs takes a
+ * detached layer only from a mount namespace its user namespace owns), of
+ * the directory of the upper and work directories and of each lower layer,
+ * at the paths where they are now: the host's, or a root host's prepared
+ * trees where attach_prepared_layers put them. */
+static int stack_layers(struct overlay_stack *stack, const char *tree, const char *const *lowers, int nlowers)
+{
+    stack->tree = sys_open_tree(AT_FDCWD, tree, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    for (int i = 0; i < nlowers; i++)
+        stack->lowers[stack->nlowers++] = sys_open_tree(AT_FDCWD, lowers[i], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (stack->tree < 0)
+        return -1;
+    for (int i = 0; i < stack->nlowers; i++)
+        if (stack->lowers[i] < 0)
+            return -1;
+    return 0;
+}
+
+/* The overlay from the layers' fds, which the holder keeps to restack it
+ * later; -1 (and an empty stack) where the kernel takes no layer by fd, or
+ * the fds cannot be had: then the caller mounts it by path. */
+static int overlay_by_fds(const struct holder_config *cfg, struct overlay_stack *stack, const char *upper,
+                          const char *work, const char *const *lowers)
+{
+    char tree[PATH_MAX], work_parent[PATH_MAX], upper_name[PATH_MAX], work_name[PATH_MAX];
+    int mnt;
+
+    snprintf(tree, sizeof tree, "%s", upper);
+    snprintf(work_parent, sizeof work_parent, "%s", work);
+    snprintf(upper_name, sizeof upper_name, "%s", upper);
+    snprintf(work_name, sizeof work_name, "%s", work);
+    /* Their parent is the stack's tree: they must be siblings. */
+    if (strcmp(dirname(tree), dirname(work_parent)) != 0 ||
+        stack_layers(stack, tree, lowers, cfg->noverlay_lowers) < 0 ||
+        (mnt = overlay_mount_stack(stack, basename(upper_name), basename(work_name))) < 0) {
+        overlay_stack_release(stack);
+        return -1;
+    }
+    /* A new overlay over /workspace would leave behind what is mounted inside it. */
+    stack->restackable = 1;
+    for (int i = 0; i < cfg->nextra_binds; i++)
+        if (strncmp(cfg->extra_binds[i].guest, "/workspace/", strlen("/workspace/")) == 0)
+            stack->restackable = 0;
+    return mnt;
+}
+
 /* A session made from a template sees the template's files as the lower
  * layer of an overlay whose upper layer is the session's own directory, so
  * creating a session costs the same for ten files or ten thousand; above the
@@ -167,7 +214,8 @@ static void layer_path(char *out, size_t size, const char *sibling)
  * namespace overlayfs keeps its metadata in user.* xattrs ("userxattr"). A
  * failure here is reported as step "overlay", and the host falls back to a
  * copied workspace. */
-static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct sbx_report *err)
+static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct overlay_stack *stack,
+                             struct sbx_report *err)
 {
     struct bind *bind = &plan->binds[plan->nbinds];
     const char *const *lowers = cfg->overlay_lowers, *upper = cfg->workspace, *work = cfg->overlay_work;
@@ -191,19 +239,22 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
         upper = prepared_upper;
         work = prepared_work;
     }
-    fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
-    if (fs < 0)
-        return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
-    if (set_layers(fs, lowers, cfg->noverlay_lowers, upper, work) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
-        int e = errno;
+    mnt = overlay_by_fds(cfg, stack, upper, work, lowers);
+    if (mnt < 0) {
+        fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
+        if (fs < 0)
+            return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
+        if (set_layers(fs, lowers, cfg->noverlay_lowers, upper, work) < 0 ||
+            sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+            sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+            int e = errno;
+            close(fs);
+            return fail(err, "overlay", e, "cannot set up the overlay over %s (and %d layers below): %s",
+                        cfg->overlay_lowers[0], cfg->noverlay_lowers - 1, strerror(e));
+        }
+        mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
         close(fs);
-        return fail(err, "overlay", e, "cannot set up the overlay over %s (and %d layers below): %s",
-                    cfg->overlay_lowers[0], cfg->noverlay_lowers - 1, strerror(e));
     }
-    mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
-    close(fs);
     if (prepared && umount2(NEW_ROOT, MNT_DETACH) < 0) {
         int e = errno;
         if (mnt >= 0)
@@ -244,7 +295,7 @@ static int read_small_file(const char *path, char *buf, size_t size)
 
 /* Everything the root needs from the host, gathered while the host's
  * filesystem is still visible. */
-static int collect_host_trees(const struct holder_config *cfg, struct plan *plan,
+static int collect_host_trees(const struct holder_config *cfg, struct plan *plan, struct overlay_stack *stack,
                               struct sbx_report *err)
 {
     char path[PATH_MAX];
@@ -280,7 +331,7 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
         return -1;
     if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_tree < 0 && !is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
-    if (cfg->noverlay_lowers ? overlay_workspace(cfg, plan, err) < 0
+    if (cfg->noverlay_lowers ? overlay_workspace(cfg, plan, stack, err) < 0
                            : clone_tree(plan, cfg->workspace, "workspace", WORKSPACE_ATTRS, cfg->prepared.workspace,
                                         err) < 0)
         return -1;
@@ -484,14 +535,14 @@ static int enter_new_root(struct sbx_report *err)
     return 0;
 }
 
-int rootfs_build(const struct holder_config *cfg, struct sbx_report *err)
+int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, struct sbx_report *err)
 {
     static struct plan plan;
 
     /* Nothing we mount may propagate back to the host's namespace. */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         return fail(err, "mount-private", errno, "cannot make mounts private: %s", strerror(errno));
-    if (collect_host_trees(cfg, &plan, err) < 0)
+    if (collect_host_trees(cfg, &plan, stack, err) < 0)
         return -1;
     if (mount_fs("tmpfs", NEW_ROOT, MS_NOSUID | MS_NODEV, "mode=0755", err) < 0)
         return -1;

@@ -7,7 +7,11 @@
  * Control socket (SOCK_SEQPACKET, one per session):
  *   host -> holder   one struct sbx_exec_request followed by strings_len bytes
  *                    of NUL-terminated strings (cwd, argv[0..argc), env[0..envc)),
- *                    with SBX_NFDS descriptors attached by SCM_RIGHTS.
+ *                    with SBX_NFDS descriptors attached by SCM_RIGHTS; or, of
+ *                    kind SBX_REQUEST_RESTACK, three names (see below) and
+ *                    one descriptor, the reply socket, on which the holder
+ *                    answers READY with a new O_PATH fd of /workspace, or
+ *                    ERROR (err EOPNOTSUPP: this holder cannot restack).
  *   holder -> host   STARTED (from the launcher, with the holder's pid as the
  *                    host sees it), then READY once setup is done, carrying
  *                    an O_PATH fd of /workspace by SCM_RIGHTS, and with
@@ -26,7 +30,7 @@
 
 #include <stdint.h>
 
-#define SBX_PROTO_VERSION 2
+#define SBX_PROTO_VERSION 3
 /* Upper bound on the strings of one request (cwd + argv + env). */
 #define SBX_MAX_REQUEST_STRINGS (128 * 1024)
 
@@ -57,8 +61,18 @@ enum sbx_request_fd {
     SBX_NFDS = 4,
 };
 
+/* A restack request names, in the directory that holds the workspace's
+ * upper layer (its "tree"), the current upper layer, to become the topmost
+ * read-only layer, and a new upper and work directory: the holder mounts a
+ * new overlay over /workspace with them, for a snapshot (see overlay.c). */
+enum sbx_request_kind {
+    SBX_REQUEST_EXEC = 1,
+    SBX_REQUEST_RESTACK = 2,
+};
+
 struct sbx_exec_request {
     uint32_t version;
+    uint32_t kind; /* enum sbx_request_kind */
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len;

@@ -39,6 +39,7 @@ static struct init *inits; /* every init not yet reaped */
 static struct init *idle;  /* the prepared one, if any */
 static int epoll_fd = -1;
 static const struct command_settings *settings;
+static struct overlay_stack *workspace_stack;
 
 static int watch_fd(int fd, struct watch *watch)
 {
@@ -83,6 +84,46 @@ static int prepare_init(struct sbx_report *err)
     return 0;
 }
 
+/* A snapshot's new overlay over /workspace (see overlay.c). The prepared
+ * init made its mount namespace as a copy of the holder's: it would show
+ * the old overlay, so it goes, and the next is made over the new one. */
+static void restack(const char *buf, size_t len, int reply_fd)
+{
+    struct sbx_exec_request req;
+    struct sbx_report err;
+    const char *names[3], *strings = buf + sizeof req, *end = buf + len;
+    int workspace_fd;
+
+    memcpy(&req, buf, sizeof req);
+    if (req.version != SBX_PROTO_VERSION || req.argc != 3 || req.envc != 0 || req.strings_len == 0 ||
+        req.strings_len != len - sizeof req || end[-1] != '\0') {
+        fail(&err, "restack", EINVAL, "malformed restack request");
+        goto refuse;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (strings >= end) {
+            fail(&err, "restack", EINVAL, "malformed restack request");
+            goto refuse;
+        }
+        names[i] = strings;
+        strings += strlen(strings) + 1;
+    }
+    if (idle) {
+        sys_pidfd_send_signal(idle->pidfd, SIGKILL); /* reaped as any other */
+        idle = NULL;
+    }
+    if (overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err) < 0)
+        goto refuse;
+    report_send_with_fds(reply_fd, &(struct sbx_report){.kind = SBX_REPORT_READY}, &workspace_fd, 1);
+    close(workspace_fd);
+    close(reply_fd);
+    prepare_init(&err); /* as after a command: a failure is the next request's */
+    return;
+refuse:
+    report_send(reply_fd, &err);
+    close(reply_fd);
+}
+
 static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
 {
     struct sbx_report err;
@@ -117,13 +158,25 @@ refuse:
 static int serve_control(int control_fd)
 {
     static char buf[sizeof(struct sbx_exec_request) + SBX_MAX_REQUEST_STRINGS];
-    int fds[SBX_NFDS];
-    ssize_t len = receive_request(control_fd, buf, sizeof buf, fds, MSG_DONTWAIT);
+    struct sbx_exec_request req;
+    int fds[SBX_NFDS], nfds;
+    ssize_t len = receive_request(control_fd, buf, sizeof buf, fds, &nfds, MSG_DONTWAIT);
 
     if (len < 0)
         return errno == EAGAIN || errno == EBADMSG ? 0 : 1;
     if (len == 0)
         return 1;
+    if ((size_t)len >= sizeof req) {
+        memcpy(&req, buf, sizeof req);
+        if (req.kind == SBX_REQUEST_RESTACK && nfds == 1) {
+            restack(buf, (size_t)len, fds[SBX_FD_REPLY]);
+            return 0;
+        }
+    }
+    if (nfds != SBX_NFDS) { /* nothing this holder asks for; the host's bug */
+        close_fds(fds, nfds);
+        return 0;
+    }
     dispatch(buf, (size_t)len, fds);
     return 0;
 }
@@ -174,13 +227,14 @@ static void reap(struct init *init)
     free(init);
 }
 
-int holder_serve(int control_fd, const struct command_settings *command_settings)
+int holder_serve(int control_fd, const struct command_settings *command_settings, struct overlay_stack *stack)
 {
     struct watch control_watch = {WATCH_CONTROL, NULL};
     struct epoll_event events[32];
     struct sbx_report ignored;
 
     settings = command_settings;
+    workspace_stack = stack;
     epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     if (epoll_fd < 0 || watch_fd(control_fd, &control_watch) < 0)
         return 1;

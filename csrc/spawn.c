@@ -213,6 +213,8 @@ static int parse_request(char *buf, size_t len, struct exec_plan *plan, char **v
     if (req.version != SBX_PROTO_VERSION)
         return fail(err, "request", EPROTO, "protocol version %u, expected %u", req.version,
                     SBX_PROTO_VERSION);
+    if (req.kind != SBX_REQUEST_EXEC)
+        return fail(err, "request", EINVAL, "not a command");
     if (req.strings_len != len - sizeof req || req.strings_len == 0 || req.argc == 0)
         return fail(err, "request", EINVAL, "malformed request");
     if ((size_t)req.argc + req.envc + 2 > max_vectors)
@@ -251,10 +253,16 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
 {
     static char buf[sizeof(struct sbx_exec_request) + SBX_MAX_REQUEST_STRINGS];
     static char *vectors[SBX_MAX_REQUEST_STRINGS / 2 + 2];
-    ssize_t len = receive_request(request_fd, buf, sizeof buf, plan->fds, 0);
+    int nfds;
+    ssize_t len = receive_request(request_fd, buf, sizeof buf, plan->fds, &nfds, 0);
 
     if (len <= 0)
         return -1;
+    if (nfds != SBX_NFDS) { /* the holder forwards only whole exec requests */
+        for (int i = 0; i < nfds; i++)
+            close(plan->fds[i]);
+        return -1;
+    }
     if (parse_request(buf, (size_t)len, plan, vectors, sizeof vectors / sizeof vectors[0], err) < 0)
         return 1;
     return 0;

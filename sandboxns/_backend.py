@@ -82,6 +82,10 @@ logger = logging.getLogger("sandboxns")
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
 MAX_CONCURRENT_COMMANDS_LIMIT = 4096
 MAX_POOL_SIZE = 1024
+# Beside an overlay workspace's upper layer during a snapshot: the upper and
+# work directories it goes on with (see SessionHandle.snapshot).
+NEXT_UPPER = "workspace.next"
+NEXT_WORK = "overlay-work.next"
 # How many of a fork's sessions start at once.
 FORK_CONCURRENCY = max(2, os.cpu_count() or 1)
 STATE_FORMAT = 1
@@ -871,8 +875,8 @@ class Backend:
                 on_failure.push_async_callback(_unmount, handle._image)
             if "pending_snapshot" in description:
                 # Its owner died taking a snapshot: finish or undo that first.
-                upper = _storage_root(session_dir, confinement) / "workspace"
-                await trio.to_thread.run_sync(self._settle_snapshot, session_dir, description, upper)
+                storage = _storage_root(session_dir, confinement)
+                await trio.to_thread.run_sync(self._settle_snapshot, session_dir, description, storage)
             network = SessionNetwork(
                 self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch()
             )
@@ -1024,8 +1028,20 @@ class Backend:
         layer_list = functools.partial(self._lower_layers, description)
         if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
             snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
-            freeze = functools.partial(self._freeze_upper, handle._dir, description, workspace, snapshot)
-            await handle._driver.restack(freeze, layer_list)
+            storage = workspace.parent
+            await trio.to_thread.run_sync(self._begin_freeze, handle._dir, description, storage, snapshot)
+            try:
+                # A capped workspace's upper layer is copied off its image,
+                # which a holder still standing on it must not see emptied.
+                await handle._driver.restack(
+                    (workspace.name, NEXT_UPPER, NEXT_WORK) if confinement.workspace_size is None else None,
+                    functools.partial(self._finish_freeze, handle._dir, description, storage, snapshot),
+                    layer_list,
+                )
+            finally:
+                if "pending_snapshot" in description:  # failed before it was finished
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(self._settle_snapshot, handle._dir, description, storage)
             return snapshot
         # A whole copy: of a copied or bound workspace, or of a stack that
         # has grown too deep, which then stands on the copy alone.
@@ -1044,7 +1060,7 @@ class Backend:
             write_json(handle._dir / "session.json", description)
             _empty_upper(workspace, self._snapshots.files_of(snapshot_id))
 
-        await handle._driver.restack(stand_on_copy, layer_list)
+        await handle._driver.restack(None, stand_on_copy, layer_list)
         return snapshot
 
     def _store_copy(self, snapshot: Snapshot, sources: list[Path]) -> None:
@@ -1060,26 +1076,37 @@ class Backend:
                 self._snapshots.abandon(snapshot.id)
                 raise
 
-    def _freeze_upper(self, session_dir: Path, description: dict, upper: Path, snapshot: Snapshot) -> None:
-        """Move an overlay workspace's upper layer into the store as
-        ``snapshot``'s layer. The session's record says so first
-        ("pending_snapshot"), so that a process dying at any point leaves
-        what the next attach finishes or undoes (see _settle_snapshot)."""
+    def _begin_freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
+        """The first half of an overlay workspace's snapshot: its record in
+        the store's staging area, the session's record saying a snapshot is
+        under way ("pending_snapshot"), so that a process dying at any point
+        leaves what the next attach finishes or undoes (_settle_snapshot),
+        and the empty upper and work directories the workspace goes on
+        with, beside its upper layer in ``storage``."""
         with self._snapshots.locked():
-            files = self._snapshots.begin(snapshot)
+            self._snapshots.begin(snapshot)
             description["pending_snapshot"] = snapshot.id
-            try:
-                write_json(session_dir / "session.json", description)
-                move_tree(upper, files)
-                self._snapshots.commit(snapshot.id)
-            finally:
-                self._settle_snapshot_locked(session_dir, description, upper)
+            write_json(session_dir / "session.json", description)
+            for name in (NEXT_UPPER, NEXT_WORK):
+                remove_tree(storage / name)
+                (storage / name).mkdir(mode=0o700)
+            os.chmod(storage / NEXT_UPPER, stat.S_IMODE(os.stat(storage / "workspace").st_mode))
 
-    def _settle_snapshot(self, session_dir: Path, description: dict, upper: Path) -> None:
+    def _finish_freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
+        """The second half, once no holder writes through the upper layer
+        any more (a new overlay stands on it, or the holder is gone): the
+        upper layer into the store (one rename), the new directories to
+        their names."""
         with self._snapshots.locked():
-            self._settle_snapshot_locked(session_dir, description, upper)
+            move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
+            self._snapshots.commit(snapshot.id)
+            self._settle_snapshot_locked(session_dir, description, storage)
 
-    def _settle_snapshot_locked(self, session_dir: Path, description: dict, upper: Path) -> None:
+    def _settle_snapshot(self, session_dir: Path, description: dict, storage: Path) -> None:
+        with self._snapshots.locked():
+            self._settle_snapshot_locked(session_dir, description, storage)
+
+    def _settle_snapshot_locked(self, session_dir: Path, description: dict, storage: Path) -> None:
         """Finish or undo the snapshot a session's record says is under way:
         finished once its layer is whole in the store (the session then
         stands on it, over an empty upper layer), undone otherwise (the
@@ -1088,13 +1115,24 @@ class Backend:
         store = self._snapshots
         if not store.exists(snapshot_id) and (store.staging(snapshot_id) / "files").is_dir():
             store.commit(snapshot_id)
+        upper, work = storage / "workspace", storage / "overlay-work"
         if store.exists(snapshot_id):
             layers, on_template = stack_of(description)
             description["layers"], description["on_template"] = [snapshot_id, *layers], on_template
             description["snapshot"] = snapshot_id
-            _empty_upper(upper, store.files_of(snapshot_id))
+            # What is left of the old upper layer is in the store by now.
+            remove_tree(upper)
+            if (storage / NEXT_UPPER).is_dir():
+                os.rename(storage / NEXT_UPPER, upper)
+                if (storage / NEXT_WORK).is_dir():  # a holder may be working in it: it keeps it, renamed
+                    remove_tree(work)
+                    os.rename(storage / NEXT_WORK, work)
+            else:
+                _empty_upper(upper, store.files_of(snapshot_id))
         else:
             store.abandon(snapshot_id)
+            remove_tree(storage / NEXT_UPPER)
+        remove_tree(storage / NEXT_WORK)
         write_json(session_dir / "session.json", description)
 
     async def snapshots(self) -> list[Snapshot]:

@@ -164,10 +164,24 @@ def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimit
         raise ValueError(f"arguments and environment take {len(strings)} bytes; the limit is {MAX_REQUEST_STRINGS}")
     request = ffi.new("struct sbx_exec_request *")
     request.version = lib.SBX_PROTO_VERSION
+    request.kind = lib.SBX_REQUEST_EXEC
     request.argc = len(argv)
     request.envc = len(env)
     request.strings_len = len(strings)
     request.rlimits = rlimits
+    return bytes(ffi.buffer(request)) + strings
+
+
+def encode_restack(pushed: str, upper: str, work: str) -> bytes:
+    """Pack a restack request: the directories named, in the one that holds
+    the workspace's upper layer, are the upper layer that becomes the
+    topmost read-only one, and the new upper and work directories."""
+    strings = b"".join(os.fsencode(name) + b"\0" for name in (pushed, upper, work))
+    request = ffi.new("struct sbx_exec_request *")
+    request.version = lib.SBX_PROTO_VERSION
+    request.kind = lib.SBX_REQUEST_RESTACK
+    request.argc = 3
+    request.strings_len = len(strings)
     return bytes(ffi.buffer(request)) + strings
 
 

@@ -204,6 +204,7 @@ class NativeDriver(HostWorkspaceIO):
         self._lease = lease
         self._closed = False
         self._holder_died = False
+        self._restackable = True  # until its holder says it cannot (see restack)
         self._stopped = trio.Event()
         self._send_lock = trio.Lock()
         self._holder_lock = trio.Lock()
@@ -298,23 +299,37 @@ class NativeDriver(HostWorkspaceIO):
             try:
                 await self._launch(policy, gateway)
             except BaseException:
-                self._closed = True
-                self._release()
-                self._stopped.set()
+                self._close_stopped()
                 raise
 
-    async def restack(self, move: Callable[[], None], layers: Callable[[], Sequence[Path]]) -> None:
-        """Give the overlay workspace new read-only layers, for a snapshot:
-        with no command running, the holder, which has the layers mounted,
-        is stopped, ``move`` rearranges them in a worker thread, and a
-        holder is started over ``layers()``, the lower layers as they are
-        then (topmost first), whether ``move`` succeeded or not."""
+    async def restack(
+        self, names: tuple[str, str, str] | None, move: Callable[[], None], layers: Callable[[], Sequence[Path]]
+    ) -> None:
+        """Give the overlay workspace new read-only layers, for a snapshot,
+        while no command or file operation runs. ``names`` are three
+        directories beside the upper layer: the upper layer itself, which
+        becomes the topmost read-only layer, and a new upper and work
+        directory. The holder mounts the new overlay over /workspace in
+        place (see csrc/overlay.c), and then ``move`` puts the layers where
+        ``layers()`` finds them (in a worker thread). Without ``names`` (a
+        stack replaced whole), or with a holder that cannot (a kernel before
+        6.13, a mount inside /workspace), the holder is stopped instead,
+        ``move`` runs, and a holder starts over ``layers()`` (topmost
+        first), whether ``move`` succeeded or not."""
         self._check_usable()
         if not self._overlay_lowers:
             raise invalid_argument("the session's workspace is no overlay")
         with trio.CancelScope(shield=True):  # a session without its holder is no session
             async with self._holder_lock:
                 self._check_usable()
+                if names is not None and self._restackable and await self._restack_in_place(names):
+                    try:
+                        await trio.to_thread.run_sync(move)
+                    except BaseException:
+                        await self._close_broken()
+                        raise
+                    self._overlay_lowers = [Path(lower).resolve() for lower in layers()]
+                    return
                 await self._stop_holder()
                 try:
                     await trio.to_thread.run_sync(move)
@@ -323,10 +338,56 @@ class NativeDriver(HostWorkspaceIO):
                         self._overlay_lowers = [Path(lower).resolve() for lower in layers()]
                         await self._launch(self.network, self._gateway)
                     except BaseException:
-                        self._closed = True
-                        self._release()
-                        self._stopped.set()
+                        self._close_stopped()
                         raise
+
+    async def _restack_in_place(self, names: tuple[str, str, str]) -> bool:
+        """Ask the holder for a new overlay over /workspace; False if it
+        cannot (then nothing changed). On any other failure the session is
+        closed: its workspace may be gone from under the holder."""
+        host_end, holder_end = _seqpacket_pair()
+        with host_end:
+            try:
+                with holder_end:
+                    await self._control.sendmsg(
+                        [_ffi.encode_restack(*names)],
+                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [holder_end.fileno()]))],
+                    )
+                reply = trio.socket.from_stdlib_socket(host_end)
+                data, ancillary, _, _ = await reply.recvmsg(
+                    _ffi.REPORT_SIZE, socket.CMSG_SPACE(4 * _ffi.MAX_PASSED_FDS), socket.MSG_CMSG_CLOEXEC
+                )
+            except OSError as exc:
+                await self._close_broken()
+                raise SandboxError(
+                    ErrorCode.SANDBOX_UNAVAILABLE, "the session's holder died while the workspace took new layers"
+                ) from exc
+        fds = received_fds(ancillary)
+        report = _ffi.decode_report(data) if data else None
+        if report is not None and report.kind == _ffi.REPORT_READY and len(fds) == 1:
+            await self._close_files()  # nothing uses it: the session is busy with the snapshot
+            self._files = WorkspaceFiles(fds[0])
+            return True
+        for fd in fds:
+            os.close(fd)
+        if report is not None and report.kind == _ffi.REPORT_ERROR and report.errno == errno.EOPNOTSUPP:
+            self._restackable = False
+            return False
+        await self._close_broken()
+        if report is None:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the holder went away while the workspace took new layers")
+        raise _error_from_report(report, "putting new layers under the workspace")
+
+    async def _close_broken(self) -> None:
+        """Stop a session whose workspace is not what its record says (a
+        restack failed half way); its files on disk are whole."""
+        await self._stop_holder()
+        self._close_stopped()
+
+    def _close_stopped(self) -> None:
+        self._closed = True
+        self._release()
+        self._stopped.set()
 
     def _check_usable(self) -> None:
         if self._holder_died:

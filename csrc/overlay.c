@@ -1,0 +1,136 @@
+/* The overlay workspace, mounted from file descriptors of its layers.
+ *
+ * A session made from a template (or a snapshot) sees /workspace as an
+ * overlay: its own upper directory over read-only layers. Since Linux 6.13
+ * overlayfs takes each layer as an fd (FSCONFIG_SET_FD), also of a detached
+ * mount (open_tree(OPEN_TREE_CLONE), or a root host's idmapped clone), so
+ * the layers need not be attached anywhere in the session's mount namespace.
+ * The holder keeps those fds, and the detached clone of the directory that
+ * holds the upper and work directories (the "tree"), for as long as it
+ * runs: a snapshot then asks it to restack, to mount a new overlay over
+ * /workspace whose topmost read-only layer is the old upper directory, with
+ * a new upper directory above, all without a new holder. The host renames
+ * the old upper directory into the snapshot store afterwards; the holder's
+ * fd follows the directory wherever it is renamed to on its file system.
+ *
+ * The holder is out of every guest's reach (non-dumpable, in no command's
+ * pid namespace), each command's init closes these fds before anything of
+ * the guest runs, and a command's mount namespace holds the overlay alone. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include "holder.h"
+#include "syscalls.h"
+
+void overlay_stack_init(struct overlay_stack *stack)
+{
+    stack->tree = -1;
+    stack->nlowers = 0;
+    stack->restackable = 0;
+}
+
+void overlay_stack_release(struct overlay_stack *stack)
+{
+    if (stack->tree >= 0)
+        close(stack->tree);
+    for (int i = 0; i < stack->nlowers; i++)
+        close(stack->lowers[i]);
+    overlay_stack_init(stack);
+}
+
+/* An O_PATH fd of one directory directly in the tree. */
+static int open_in_tree(const struct overlay_stack *stack, const char *name)
+{
+    if (!*name || strchr(name, '/') || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    return openat(stack->tree, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+static int overlay_mount_fds(const int *lowers, int nlowers, int upper, int work)
+{
+    int fs = sys_fsopen("overlay", FSOPEN_CLOEXEC), mnt, e;
+
+    if (fs < 0)
+        return -1;
+    for (int i = 0; i < nlowers; i++)
+        if (sys_fsconfig(fs, FSCONFIG_SET_FD, "lowerdir+", NULL, lowers[i]) < 0)
+            goto failed;
+    if (sys_fsconfig(fs, FSCONFIG_SET_FD, "upperdir", NULL, upper) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_FD, "workdir", NULL, work) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+        goto failed;
+    mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);
+    e = errno;
+    close(fs);
+    errno = e;
+    return mnt;
+failed:
+    e = errno;
+    close(fs);
+    errno = e;
+    return -1;
+}
+
+int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name)
+{
+    int upper = open_in_tree(stack, upper_name), work = open_in_tree(stack, work_name), mnt = -1, e;
+
+    if (upper >= 0 && work >= 0)
+        mnt = overlay_mount_fds(stack->lowers, stack->nlowers, upper, work);
+    e = errno;
+    if (upper >= 0)
+        close(upper);
+    if (work >= 0)
+        close(work);
+    errno = e;
+    return mnt;
+}
+
+int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
+                    const char *work_name, int *workspace_fd, struct sbx_report *err)
+{
+    int pushed, mnt;
+
+    if (!stack->restackable)
+        return fail(err, "restack", EOPNOTSUPP, "this session's workspace cannot take new layers in place");
+    if (stack->nlowers == MAX_OVERLAY_LOWERS)
+        return fail(err, "restack", E2BIG, "the workspace already stands on %d layers", MAX_OVERLAY_LOWERS);
+    pushed = open_in_tree(stack, pushed_name);
+    if (pushed < 0)
+        return fail(err, "restack", errno, "cannot open the layer %s: %s", pushed_name, strerror(errno));
+    memmove(stack->lowers + 1, stack->lowers, sizeof stack->lowers[0] * (size_t)stack->nlowers);
+    stack->lowers[0] = pushed;
+    stack->nlowers++;
+    mnt = overlay_mount_stack(stack, upper_name, work_name);
+    if (mnt < 0) {
+        int e = errno;
+
+        stack->nlowers--;
+        memmove(stack->lowers, stack->lowers + 1, sizeof stack->lowers[0] * (size_t)stack->nlowers);
+        close(pushed);
+        return fail(err, "restack", e, "cannot mount the new overlay: %s", strerror(e));
+    }
+    /* No command runs, and the next one's init is made after this: nothing
+     * but the host's file handle (which the reply replaces) holds the old
+     * overlay, which goes once that is closed. */
+    if (umount2("/workspace", MNT_DETACH) < 0 ||
+        sys_move_mount(mnt, "", AT_FDCWD, "/workspace", MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        int e = errno;
+
+        close(mnt);
+        stack->restackable = 0; /* whatever /workspace is now, it is not to be trusted */
+        return fail(err, "restack", e, "cannot put the new overlay over /workspace: %s", strerror(e));
+    }
+    close(mnt);
+    *workspace_fd = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (*workspace_fd < 0)
+        return fail(err, "restack", errno, "cannot open the new /workspace: %s", strerror(errno));
+    return 0;
+}
