@@ -126,7 +126,7 @@ int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const 
 
         close(mnt);
         stack->restackable = 0; /* whatever /workspace is now, it is not to be trusted */
-        return fail(err, "restack", e, "cannot put the new overlay over /workspace: %s", strerror(e));
+        return fail(err, "restack-swap", e, "cannot put the new overlay over /workspace: %s", strerror(e));
     }
     close(mnt);
     *workspace_fd = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);

@@ -11,7 +11,9 @@
  *                    kind SBX_REQUEST_RESTACK, three names (see below) and
  *                    one descriptor, the reply socket, on which the holder
  *                    answers READY with a new O_PATH fd of /workspace, or
- *                    ERROR (err EOPNOTSUPP: this holder cannot restack).
+ *                    ERROR: at step "restack" nothing changed (err
+ *                    EOPNOTSUPP: this holder cannot restack at all), at
+ *                    "restack-swap" /workspace is no longer to be trusted.
  *   holder -> host   STARTED (from the launcher, with the holder's pid as the
  *                    host sees it), then READY once setup is done, carrying
  *                    an O_PATH fd of /workspace by SCM_RIGHTS, and with

@@ -108,18 +108,23 @@ static void restack(const char *buf, size_t len, int reply_fd)
         names[i] = strings;
         strings += strlen(strings) + 1;
     }
+    if (overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err) < 0)
+        goto refuse;
     if (idle) {
         sys_pidfd_send_signal(idle->pidfd, SIGKILL); /* reaped as any other */
         idle = NULL;
     }
-    if (overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err) < 0)
-        goto refuse;
     report_send_with_fds(reply_fd, &(struct sbx_report){.kind = SBX_REPORT_READY}, &workspace_fd, 1);
     close(workspace_fd);
     close(reply_fd);
     prepare_init(&err); /* as after a command: a failure is the next request's */
     return;
 refuse:
+    /* A failed swap leaves /workspace unknown: no init of the old one either. */
+    if (idle && strcmp(err.step, "restack-swap") == 0) {
+        sys_pidfd_send_signal(idle->pidfd, SIGKILL);
+        idle = NULL;
+    }
     report_send(reply_fd, &err);
     close(reply_fd);
 }

@@ -518,14 +518,14 @@ class SessionHandle:
             async with trio.open_nursery() as nursery:
                 for index in range(n):
                     nursery.start_soon(start, index)
-        finally:
-            if failures or None in forks:  # failed, or cancelled
-                with trio.CancelScope(shield=True):
-                    for fork in forks:
-                        if fork is not None:
-                            await fork.delete()
-        if failures:
-            raise failures[0]
+            if failures:
+                raise failures[0]
+        except BaseException:  # a failure, or the caller cancelled: no fork stays
+            with trio.CancelScope(shield=True):
+                for fork in forks:
+                    if fork is not None:
+                        await fork.delete()
+            raise
         return forks
 
     async def delete(self) -> None:
@@ -1012,7 +1012,15 @@ class Backend:
         layers, on_template = stack_of(description)
         confinement = Confinement.from_dict(description.get("confinement", {}))
         if layout == "bound":
+            # As at attach: a session bound above this one may have swapped
+            # in a symlink, which must not make this copy another path's.
             workspace = Path(description["workspace"])
+            if workspace.resolve() != workspace:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"workspace {workspace} now leads to {workspace.resolve()}; refusing to copy it",
+                )
+            self._refuse_state_overlap(workspace, "workspace")
         else:
             workspace = _storage_root(handle._dir, confinement) / "workspace"
         snapshot_id = new_snapshot_id()
@@ -1029,8 +1037,8 @@ class Backend:
         if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
             snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
             storage = workspace.parent
-            await trio.to_thread.run_sync(self._begin_freeze, handle._dir, description, storage, snapshot)
             try:
+                await trio.to_thread.run_sync(self._begin_freeze, handle._dir, description, storage, snapshot)
                 # A capped workspace's upper layer is copied off its image,
                 # which a holder still standing on it must not see emptied.
                 await handle._driver.restack(
@@ -1098,9 +1106,11 @@ class Backend:
         upper layer into the store (one rename), the new directories to
         their names."""
         with self._snapshots.locked():
-            move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
-            self._snapshots.commit(snapshot.id)
-            self._settle_snapshot_locked(session_dir, description, storage)
+            try:
+                move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
+                self._snapshots.commit(snapshot.id)
+            finally:  # finished, or undone before a holder starts over the layers again
+                self._settle_snapshot_locked(session_dir, description, storage)
 
     def _settle_snapshot(self, session_dir: Path, description: dict, storage: Path) -> None:
         with self._snapshots.locked():

@@ -552,9 +552,8 @@ class _Implementation:
 
     async def call_files(self, function, *args):
         self.binding.check_live()
-        # A file tool is activity, as the Session's own file methods are.
-        self.binding.session.touch()
-        return await self.binding.session.driver.workspace_call(function, *args)
+        # Activity, and refused during a snapshot, as the Session's own file methods are.
+        return await self.binding.session.workspace_call(function, *args)
 
     # -- tools -------------------------------------------------------------
     def tools(self) -> list[Tool]:

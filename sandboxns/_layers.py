@@ -28,7 +28,7 @@ from pathlib import Path
 from ._errors import ErrorCode, SandboxError
 from ._templates import _copy_file
 
-_OVERLAY_XATTRS = b"user.overlay."
+_OVERLAY_XATTRS = "user.overlay."
 _OPAQUE = "user.overlay.opaque"
 
 
@@ -36,127 +36,164 @@ def is_whiteout(entry: os.stat_result) -> bool:
     return stat.S_ISCHR(entry.st_mode) and entry.st_rdev == 0
 
 
-def is_opaque(path: str) -> bool:
-    """Whether an upper layer's directory hides the ones below (reading a
-    user xattr needs read access, which a guest's chmod may have taken)."""
-    with _readable(path, os.lstat(path)):
-        try:
-            return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
-        except OSError:
-            return False
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _through(pinned: int) -> str:
+    """A path to the very inode an O_PATH fd pins, whatever its name leads
+    to by now (a guest of another session may be renaming things in a bound
+    host directory while it is copied)."""
+    return f"/proc/self/fd/{pinned}"
 
 
 @contextlib.contextmanager
-def _readable(path: str, info: os.stat_result) -> Iterator[None]:
-    """Let the owner read (or list) what a guest made unreadable, for the
-    moment (root reads it anyway)."""
-    wanted = 0o500 if stat.S_ISDIR(info.st_mode) else 0o400
-    if os.geteuid() == 0 or info.st_mode & wanted == wanted:
-        yield
-        return
-    os.chmod(path, stat.S_IMODE(info.st_mode) | wanted)
+def _opened(parent: int, name: str, info: os.stat_result, flags: int) -> Iterator[int]:
+    """An fd of ``name`` in the directory ``parent``, which must still be
+    the ``info`` it was listed as (never a link followed, never a FIFO
+    waited on); readable by its owner for as long as the block runs, should
+    a guest's chmod have shut them out (root reads it anyway)."""
+    pinned = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
-        yield
+        now = os.fstat(pinned)
+        if (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode)) != (info.st_dev, info.st_ino, stat.S_IFMT(info.st_mode)):
+            raise OSError(errno.ESTALE, f"{name} changed while it was being copied")
+        wanted = 0o500 if stat.S_ISDIR(now.st_mode) else 0o400
+        unlocked = os.geteuid() != 0 and now.st_mode & wanted != wanted
+        if unlocked:
+            os.chmod(_through(pinned), stat.S_IMODE(now.st_mode) | wanted)
+        try:
+            fd = os.open(_through(pinned), (flags & ~os.O_NOFOLLOW) | os.O_CLOEXEC)  # the fd is no link
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+        finally:
+            if unlocked:
+                os.chmod(_through(pinned), stat.S_IMODE(now.st_mode))
     finally:
-        os.chmod(path, stat.S_IMODE(info.st_mode))
+        os.close(pinned)
 
 
-def _copy_xattrs(source: str, target: str) -> None:
-    """A file's own extended attributes, without overlayfs's."""
+def _copy_xattrs(source: int, target: str, verbatim: bool) -> None:
+    """An open file's extended attributes; of overlayfs's own, with
+    ``verbatim`` (a layer copied as a layer), whether a directory is
+    opaque."""
     try:
-        names = os.listxattr(source, follow_symlinks=False)
+        names = os.listxattr(source)
     except OSError:
         return
     for name in names:
-        if name.encode().startswith(_OVERLAY_XATTRS):
+        if name.startswith(_OVERLAY_XATTRS) and not (verbatim and name == _OPAQUE):
             continue
         with contextlib.suppress(OSError):
-            os.setxattr(target, name, os.getxattr(source, name, follow_symlinks=False), follow_symlinks=False)
+            os.setxattr(target, name, os.getxattr(source, name), follow_symlinks=False)
 
 
-def _copy_entry(source: str, info: os.stat_result, target: str, links: dict[tuple[int, int], str]) -> None:
-    """One non-directory entry, as what it is; a file with several links in
-    the tree is copied once and linked again."""
-    mode = info.st_mode
-    if stat.S_ISREG(mode) and info.st_nlink > 1:
-        earlier = links.get((info.st_dev, info.st_ino))
-        if earlier is not None:
-            os.link(earlier, target)
+def _is_opaque(directory: int) -> bool:
+    try:
+        return os.getxattr(directory, _OPAQUE) == b"y"
+    except OSError:
+        return False
+
+
+class _Copy:
+    """One merge or copy: the files linked more than once, and the
+    directories whose modes are set last (a mode that shuts out their owner
+    must not stop the copy of what goes below them)."""
+
+    def __init__(self, verbatim: bool) -> None:
+        self.verbatim = verbatim
+        self.links: dict[tuple[int, int], str] = {}
+        self.directories: list[tuple[str, os.stat_result]] = []
+
+    def entry(self, parent: int, name: str, info: os.stat_result, target: str) -> None:
+        """One non-directory entry, as what it is."""
+        mode = info.st_mode
+        if stat.S_ISREG(mode) and info.st_nlink > 1:
+            earlier = self.links.get((info.st_dev, info.st_ino))
+            if earlier is not None:
+                os.link(earlier, target)
+                return
+            self.links[(info.st_dev, info.st_ino)] = target
+        if stat.S_ISLNK(mode):
+            os.symlink(os.readlink(name, dir_fd=parent), target)
             return
-        links[(info.st_dev, info.st_ino)] = target
-    if stat.S_ISLNK(mode):
-        os.symlink(os.readlink(source), target)
-        return
-    if stat.S_ISREG(mode):
-        with _readable(source, info):
-            reading = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            writing = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                _copy_file(reading, writing)
-            finally:
-                os.close(writing)
-        finally:
-            os.close(reading)
-    elif stat.S_ISFIFO(mode):
-        os.mkfifo(target, 0o600)
-    elif stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return  # a socket is no file to copy; a guest makes no devices (whiteouts are handled above)
-    _copy_xattrs(source, target)
-    os.chmod(target, stat.S_IMODE(mode))
-    os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
+        if stat.S_ISREG(mode):
+            with _opened(parent, name, info, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK) as reading:
+                writing = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    _copy_file(reading, writing)
+                finally:
+                    os.close(writing)
+                _copy_xattrs(reading, target, self.verbatim)
+        elif stat.S_ISFIFO(mode):
+            os.mkfifo(target, 0o600)
+        elif is_whiteout(info) and self.verbatim:
+            os.mknod(target, stat.S_IFCHR, 0)  # anyone may make a whiteout (Linux 5.8)
+            return
+        else:
+            return  # a socket is no file to copy; a guest makes no devices
+        os.chmod(target, stat.S_IMODE(mode))
+        os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+    def directory(self, directories: list[int], target: str) -> None:
+        """Copy the entries of one directory, as open in each layer that
+        has it (topmost first), each entry as its topmost layer has it."""
+        entries: dict[str, list[tuple[int, os.stat_result]]] = {}
+        for directory in directories:
+            with os.scandir(directory) as listing:
+                for entry in listing:
+                    entries.setdefault(entry.name, []).append((directory, entry.stat(follow_symlinks=False)))
+        for name, found in entries.items():
+            parent, info = found[0]
+            destination = os.path.join(target, name)
+            if is_whiteout(info) and not self.verbatim:
+                continue  # deleted from what is below (or a whiteout a guest made: no file)
+            if not stat.S_ISDIR(info.st_mode):
+                self.entry(parent, name, info, destination)
+                continue
+            os.mkdir(destination, 0o700)
+            with contextlib.ExitStack() as opened:  # readable until what is below is copied
+                below = [opened.enter_context(_opened(parent, name, info, _DIRECTORY))]
+                for lower, lower_info in found[1:]:
+                    if _is_opaque(below[-1]) or not stat.S_ISDIR(lower_info.st_mode):
+                        break
+                    below.append(opened.enter_context(_opened(lower, name, lower_info, _DIRECTORY)))
+                self.directory(below, destination)
+                _copy_xattrs(below[0], destination, self.verbatim)
+            self.directories.append((destination, info))
+
+    def finish(self) -> None:
+        """The directories' modes and times, deepest first."""
+        for destination, info in reversed(self.directories):
+            os.chmod(destination, stat.S_IMODE(info.st_mode))
+            os.utime(destination, ns=(info.st_atime_ns, info.st_mtime_ns))
 
 
-def merge_layers(layers: Sequence[Path], target: Path) -> None:
+def merge_layers(layers: Sequence[Path], target: Path, *, verbatim: bool = False) -> None:
     """Write into the empty directory ``target`` the tree overlayfs shows
     for ``layers`` (topmost first): whiteouts hide what is below, an opaque
     directory hides the directories below, and a name is what its topmost
-    layer says. With one layer, a plain copy of it."""
-    _merge([str(layer) for layer in layers], str(target), {}, top=True)
+    layer says. With one layer, a copy of it: with ``verbatim``, one that
+    keeps its whiteouts and opaque directories (a layer copied as a layer).
+    A layer's top directory is opened as it is named and must be no link;
+    below it nothing is looked up by a path a guest could redirect."""
+    copy = _Copy(verbatim)
+    with contextlib.ExitStack() as opened:
+        tops = []
+        for layer in layers:
+            parent = os.open(layer.parent, _DIRECTORY)
+            opened.callback(os.close, parent)
+            tops.append(opened.enter_context(_opened(parent, layer.name, os.lstat(layer), _DIRECTORY)))
+        copy.directory(tops, str(target))
+    copy.finish()
+    os.chmod(target, stat.S_IMODE(os.lstat(layers[0]).st_mode))
 
 
-def copy_tree(source: Path, target: Path) -> None:
+def copy_tree(source: Path, target: Path, *, verbatim: bool = False) -> None:
     """Copy the whole tree ``source`` into the empty directory ``target``,
     sharing blocks where the file system can (see _templates)."""
-    merge_layers([source], target)
-
-
-def _merge(directories: list[str], target: str, links: dict[tuple[int, int], str], top: bool = False) -> None:
-    with contextlib.ExitStack() as readable:  # for as long as what is below them is copied
-        entries: dict[str, list[tuple[str, os.stat_result]]] = {}
-        for directory in directories:
-            readable.enter_context(_readable(directory, os.lstat(directory)))
-            with os.scandir(directory) as listing:
-                for entry in listing:
-                    entries.setdefault(entry.name, []).append((entry.path, entry.stat(follow_symlinks=False)))
-        _merge_entries(entries, target, links)
-    if top:
-        info = os.lstat(directories[0])
-        os.chmod(target, stat.S_IMODE(info.st_mode))
-
-
-def _merge_entries(
-    entries: dict[str, list[tuple[str, os.stat_result]]], target: str, links: dict[tuple[int, int], str]
-) -> None:
-    """Copy one directory's entries, each as its topmost layer has it."""
-    for name, found in entries.items():
-        path, info = found[0]
-        if is_whiteout(info):
-            continue  # a name deleted above what is below (or a whiteout a guest made: no file)
-        destination = os.path.join(target, name)
-        if not stat.S_ISDIR(info.st_mode):
-            _copy_entry(path, info, destination, links)
-            continue
-        below = [path]
-        for lower, lower_info in found[1:]:
-            if is_opaque(below[-1]) or not stat.S_ISDIR(lower_info.st_mode):
-                break
-            below.append(lower)
-        os.mkdir(destination, 0o700)
-        _merge(below, destination, links)
-        _copy_xattrs(path, destination)
-        os.chmod(destination, stat.S_IMODE(info.st_mode))
-        os.utime(destination, ns=(info.st_atime_ns, info.st_mtime_ns))
+    merge_layers([source], target, verbatim=verbatim)
 
 
 def tree_bytes(root: Path) -> int:
@@ -181,12 +218,6 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def empty_directory(path: Path) -> bool:
-    with contextlib.suppress(FileNotFoundError), os.scandir(path) as listing:
-        return next(listing, None) is None
-    return True
-
-
 def move_tree(source: Path, target: Path) -> None:
     """Move ``source`` to ``target`` (which must not exist): one rename on
     one file system; across file systems (a capped workspace lives on its
@@ -201,7 +232,7 @@ def move_tree(source: Path, target: Path) -> None:
     partial = target.with_name(f"{target.name}.partial")
     remove_tree(partial)
     os.mkdir(partial, 0o700)
-    copy_tree(source, partial)
+    copy_tree(source, partial, verbatim=True)
     os.rename(partial, target)
     for entry in os.listdir(source):
         remove_tree(source / entry)

@@ -344,7 +344,8 @@ class NativeDriver(HostWorkspaceIO):
     async def _restack_in_place(self, names: tuple[str, str, str]) -> bool:
         """Ask the holder for a new overlay over /workspace; False if it
         cannot (then nothing changed). On any other failure the session is
-        closed: its workspace may be gone from under the holder."""
+        closed: its workspace may be gone from under the holder, which may
+        also be wedged (it has HOLDER_READY_TIMEOUT to answer)."""
         host_end, holder_end = _seqpacket_pair()
         with host_end:
             try:
@@ -354,10 +355,11 @@ class NativeDriver(HostWorkspaceIO):
                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [holder_end.fileno()]))],
                     )
                 reply = trio.socket.from_stdlib_socket(host_end)
-                data, ancillary, _, _ = await reply.recvmsg(
-                    _ffi.REPORT_SIZE, socket.CMSG_SPACE(4 * _ffi.MAX_PASSED_FDS), socket.MSG_CMSG_CLOEXEC
-                )
-            except OSError as exc:
+                with trio.fail_after(HOLDER_READY_TIMEOUT):
+                    data, ancillary, _, _ = await reply.recvmsg(
+                        _ffi.REPORT_SIZE, socket.CMSG_SPACE(4 * _ffi.MAX_PASSED_FDS), socket.MSG_CMSG_CLOEXEC
+                    )
+            except (OSError, trio.TooSlowError) as exc:
                 await self._close_broken()
                 raise SandboxError(
                     ErrorCode.SANDBOX_UNAVAILABLE, "the session's holder died while the workspace took new layers"
@@ -370,8 +372,9 @@ class NativeDriver(HostWorkspaceIO):
             return True
         for fd in fds:
             os.close(fd)
-        if report is not None and report.kind == _ffi.REPORT_ERROR and report.errno == errno.EOPNOTSUPP:
-            self._restackable = False
+        if report is not None and report.kind == _ffi.REPORT_ERROR and report.step == "restack":
+            # Nothing changed: a new holder will do.
+            self._restackable = report.errno != errno.EOPNOTSUPP
             return False
         await self._close_broken()
         if report is None:

@@ -366,6 +366,13 @@ class Session:
             raise invalid_argument(f"text must be a string, not {type(text).__name__}")
         await self.write_file(path, text.encode("utf-8"))
 
+    async def workspace_call(self, operation, *args):
+        """Run ``operation(workspace_dir_fd, *args)`` in a worker thread (the
+        driver's :meth:`workspace_call`), as a file operation: refused while
+        a snapshot or policy change has the session to itself."""
+        with self._file_operation():
+            return await self.driver.workspace_call(operation, *args)
+
     async def list_dir(self, path: str = ".") -> list[DirEntry]:
         with self._file_operation():
             return await self.driver.list_dir(normalize_path(path))

@@ -293,11 +293,15 @@ class SnapshotStore:
         remove_tree(trash)
 
     def users(self) -> dict[str, list[str]]:
-        """Each snapshot's layers below its own, by "snapshot <id>"."""
-        return {
-            f"snapshot {snapshot.id}": list(snapshot.layers[1:])
-            for snapshot in (self.read(name) for name in _ids_in(self.root))
-        }
+        """Each snapshot's layers below its own, by "snapshot <id>"; one
+        whose record is damaged stands on nothing this can tell."""
+        users = {}
+        for name in _ids_in(self.root):
+            try:
+                users[f"snapshot {name}"] = list(self.read(name).layers[1:])
+            except SandboxError:
+                continue
+        return users
 
 
 def _ids_in(root: Path) -> list[str]:

@@ -295,6 +295,21 @@ async def test_a_bound_session_is_snapshotted_only_by_copy(backend, tmp_path):
         assert (bound / "mine").read_text() == "host\n"
 
 
+async def test_file_operations_and_coding_tools_wait_for_no_snapshot(backend):
+    # While a snapshot has the session to itself, what would write through
+    # its old upper layer (soon a layer of the snapshot) is refused.
+    template = await backend.prewarm(template="busy-files", files={"a": b"1"})
+    async with await backend.create(template=template.template_key) as handle:
+        tools = await sandboxns.create_sandbox_coding_tools(handle.session, authorize=lambda operation: True)
+        with handle.session.exclusive("a snapshot"):
+            await refused(ErrorCode.SANDBOX_BUSY, handle.session.write_file("b", b"2"))
+            await refused(ErrorCode.SANDBOX_BUSY, handle.session.run("true"))
+            written = await tools.dispatch("write_file", {"path": "c", "content": "3"})
+            assert written["error"] == "SANDBOX_BUSY", written
+        assert "error" not in await tools.dispatch("write_file", {"path": "c", "content": "3"})
+        assert (await sh(handle, "ls")).stdout.split() == ["a", "c"]
+
+
 async def test_bad_snapshot_arguments_are_refused(backend):
     template = await backend.prewarm(template="bad", files={"a": b"1"})
     async with await backend.create(template=template.template_key) as handle:
@@ -324,10 +339,14 @@ async def test_another_backends_snapshot_is_refused(driver_name, state_dir):
         await refused(ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(snapshot=snapshot))
 
 
-@pytest.mark.parametrize("crashed_at", ["before the move", "after the move", "after the commit"])
+@pytest.mark.parametrize(
+    "crashed_at",
+    ["before the move", "after the new upper was made", "after the move", "after the commit", "after the rename"],
+)
 async def test_a_snapshot_its_owner_died_taking_is_finished_or_undone(state_dir, crashed_at):
-    # The states a process dying inside _freeze_upper leaves, made by hand
-    # from a real session: the next attach finishes or undoes each.
+    # The states a process dying while it takes a snapshot leaves (between
+    # _begin_freeze and _finish_freeze, or inside them), made by hand from a
+    # real session: the next attach finishes or undoes each.
     async with sandboxns.open_backend(driver="native", state_directory=state_dir) as backend:
         template = await backend.prewarm(template="crash", files={"a": b"1"})
         handle = await backend.create(template=template.template_key)
@@ -346,24 +365,31 @@ async def test_a_snapshot_its_owner_died_taking_is_finished_or_undone(state_dir,
         "backend": "native", "template": template.template_key, "layers": [pending], "on_template": True,
     }  # fmt: skip
     (staging / "snapshot.json").write_text(json.dumps(snapshot))
+    finished = crashed_at not in ("before the move", "after the new upper was made")
     if crashed_at != "before the move":
+        (session / "workspace.next").mkdir()
+        (session / "overlay-work.next").mkdir()
+    if finished:
         os.rename(session / "workspace", staging / "files")
-    if crashed_at == "after the commit":
+    if crashed_at in ("after the commit", "after the rename"):
         os.rename(staging, state_dir / "snapshots" / pending)
+    if crashed_at == "after the commit":  # a copy off an image leaves the emptied upper (here, not quite)
         (session / "workspace").mkdir()
-        (session / "workspace" / "b").write_text("2\n")  # a copy's leftover, as the layer below has it
+        (session / "workspace" / "b").write_text("2\n")
+    if crashed_at == "after the rename":
+        os.rename(session / "workspace.next", session / "workspace")
     async with (
         sandboxns.open_backend(driver="native", state_directory=state_dir) as backend,
         await backend.create(state=state, template=template.template_key) as resumed,
     ):
         assert (await sh(resumed, "ls; cat b")).stdout.split() == ["a", "b", "2"]
         listed = [snapshot.id for snapshot in await backend.snapshots()]
-        finished = crashed_at != "before the move"
         assert listed == ([pending] if finished else [])
         record = json.loads((session / "session.json").read_text())
         assert "pending_snapshot" not in record and record.get("layers", []) == ([pending] if finished else [])
         assert sorted(p.name for p in (session / "workspace").iterdir()) == ([] if finished else ["b"])
         assert not staging.exists()
+        assert not (session / "workspace.next").exists() and not (session / "overlay-work.next").exists()
 
 
 async def test_the_cli_lists_and_deletes_snapshots(backend, state_dir):

@@ -384,3 +384,19 @@ async def test_each_fork_of_a_capped_session_has_the_cap_on_its_own_layer(backen
             for fork in forks:
                 await fork.delete()
         assert (await origin.session.run("sh", ["-c", "ls"])).stdout.split() == ["a", "half"]
+
+
+@capable_host
+async def test_a_capped_sessions_snapshot_keeps_its_deletions(backend):
+    # Its upper layer is copied off the image into the store, whiteouts and
+    # opaque directories with it: what was deleted stays deleted.
+    template = await backend.prewarm(template="capped-deletes", files={"a": b"1", "d/old": b"2", "keep": b"3"})
+    async with await backend.create(template=template.template_key, confinement=CAPPED) as origin:
+        await origin.session.run("sh", ["-c", "rm a; rm -r d; mkdir d; echo new > d/new"])
+        [fork] = await origin.fork(1)
+        try:
+            for handle in (origin, fork):
+                shown = await handle.session.run("sh", ["-c", "ls -R"])
+                assert shown.stdout.split() == [".:", "d", "keep", "./d:", "new"], shown
+        finally:
+            await fork.delete()

@@ -81,8 +81,10 @@ async def test_a_fork_reaches_no_layer_and_no_other_fork(backend, state_dir):
                 with pytest.raises(sandboxns.SandboxError) as refused:
                     await b.session.read_file(link)
                 assert refused.value.code in (ErrorCode.SANDBOX_PATH_REFUSED, ErrorCode.SANDBOX_NOT_FOUND)
-            # Writing over what came from the snapshot writes the fork's own layer.
+            # Writing over what came from the snapshot writes the fork's own
+            # layer; the origin, which stands on the snapshot too, its own.
             assert (await sh(b, "echo b > shared; chmod 600 mine; rm -f secret")).exit_code == 0
+            assert (await sh(origin, "echo o > shared; rm mine; mkdir mine; chmod 700 .")).exit_code == 0
             assert digest(snapshot_layers) == before
         finally:
             await a.delete()
