@@ -1239,20 +1239,34 @@ class Backend:
             await handle.shutdown()
 
 
+def _sessions_layers(state_directory: Path) -> dict[str, list[str]]:
+    """The snapshots each stored session stands on or is taking, by
+    "session <id>"."""
+    users = {}
+    for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
+        try:
+            description = read_description(state_directory, session_id)
+        except SandboxError:
+            continue  # gone meanwhile, or not usable anyway
+        layers, _ = stack_of(description)
+        users[f"session {session_id}"] = [*layers, *filter(None, [description.get("pending_snapshot")])]
+    return users
+
+
 def delete_snapshot(state_directory: Path, snapshot_id: str) -> None:
     """See :meth:`Backend.delete_snapshot`; also for operators, without a
     backend (``sandboxns snapshot delete``)."""
     store = SnapshotStore(state_directory / "snapshots")
     with store.locked():
-        users = store.users()
-        for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
-            try:
-                description = read_description(state_directory, session_id)
-            except SandboxError:
-                continue  # gone meanwhile, or not usable anyway
-            layers, _ = stack_of(description)
-            users[f"session {session_id}"] = [*layers, *filter(None, [description.get("pending_snapshot")])]
-        store.delete(snapshot_id, users)
+        store.delete(snapshot_id, {**store.users(), **_sessions_layers(state_directory)})
+
+
+def sweep_snapshot_store(state_directory: Path) -> None:
+    """What a process that died while it made or deleted a snapshot left
+    (see SnapshotStore.sweep)."""
+    store = SnapshotStore(state_directory / "snapshots")
+    with store.locked():
+        store.sweep({layer for layers in _sessions_layers(state_directory).values() for layer in layers})
 
 
 def stored_session_state(state_directory: str | os.PathLike[str], session_id: str) -> dict:
@@ -1319,6 +1333,7 @@ async def open_backend(
         backend = Backend(driver, root, limit, GatewayHub(upstream_ssl_context, on_broker_error), nursery)
         try:
             await backend.collect_expired()  # those that expired while no backend ran
+            await trio.to_thread.run_sync(sweep_snapshot_store, root)
             nursery.start_soon(backend._collect_periodically)
             yield backend
         finally:

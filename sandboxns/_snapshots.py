@@ -292,6 +292,21 @@ class SnapshotStore:
         os.rename(self.root / snapshot_id, trash)
         remove_tree(trash)
 
+    def sweep(self, pending: set[str]) -> None:
+        """Remove what a process that died left in the store: a snapshot
+        still being made (unless a session's record says it is under way:
+        then the session's next attach finishes or undoes it) or being
+        deleted. The caller holds :meth:`locked`, which every maker holds
+        while it makes one, save the sessions named in ``pending``."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            made = name.startswith(".new-") and name.removeprefix(".new-") not in pending
+            if made or name.startswith(".deleted-"):
+                remove_tree(self.root / name)
+
     def users(self) -> dict[str, list[str]]:
         """Each snapshot's layers below its own, by "snapshot <id>"; one
         whose record is damaged stands on nothing this can tell."""

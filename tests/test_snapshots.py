@@ -432,3 +432,29 @@ async def test_a_fork_that_cannot_be_made_whole_leaves_no_fork(backend, state_di
             assert (await origin.session.run("ls", ["/workspace"])).stdout == "a\n"
         assert [p.name for p in (state_dir / "sessions").iterdir()] == [origin.session_id]
         assert len(await backend.snapshots()) == 1  # the origin's, which it stands on
+
+
+async def test_what_a_dead_maker_left_in_the_store_goes_at_the_next_open(driver_name, state_dir):
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
+        template = await backend.prewarm(template="leftovers", files={"a": b"1"})
+        async with await backend.create(template=template.template_key) as handle:
+            kept = await handle.snapshot()
+    store = state_dir / "snapshots"
+    for leftover in (f".new-{'cd' * 16}/files/x", f".deleted-{'ef' * 16}-0000/files/y"):
+        (store / leftover).parent.mkdir(parents=True)
+        (store / leftover).write_text("partial")
+    async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
+        assert sorted(p.name for p in store.iterdir()) == sorted([kept.id, "lock"])
+        assert [snapshot.id for snapshot in await backend.snapshots()] == [kept.id]
+
+
+async def test_a_bound_workspace_that_now_leads_elsewhere_is_not_copied(backend, tmp_path):
+    bound, elsewhere = tmp_path / "bound", tmp_path / "elsewhere"
+    bound.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "private").write_text("not the session's")
+    async with await backend.create(workspace=bound) as handle:
+        bound.rename(tmp_path / "moved")
+        bound.symlink_to(elsewhere)
+        await refused(ErrorCode.SANDBOX_PATH_REFUSED, handle.snapshot(copy=True))
+    assert not [p for p in (backend.state_directory / "snapshots").iterdir() if p.name != "lock"]
