@@ -164,8 +164,9 @@ class _Copy:
             self.directories.append((destination, info))
 
     def finish(self) -> None:
-        """The directories' modes and times, deepest first."""
-        for destination, info in reversed(self.directories):
+        """The directories' modes and times, each after those below it (in
+        the order they were finished)."""
+        for destination, info in self.directories:
             os.chmod(destination, stat.S_IMODE(info.st_mode))
             os.utime(destination, ns=(info.st_atime_ns, info.st_mtime_ns))
 

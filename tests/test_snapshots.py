@@ -147,15 +147,19 @@ async def test_what_shuts_its_owner_out_is_snapshotted_all_the_same(backend):
     template = await backend.prewarm(template="locked", files={"locked/old": b"template\n"})
     async with await backend.create(template=template.template_key) as origin:
         await sh(origin, "rm -r locked; mkdir -p locked/inner; echo x > locked/inner/file; echo s > secret")
-        await sh(origin, "chmod 000 locked/inner locked secret")
+        await sh(origin, "ln locked/inner/file linked; chmod 000 locked/inner locked secret")
         forks = [await backend.create(snapshot=await origin.snapshot()) for _ in range(2)]
         if backend.name == "native":  # and once more, merged whole
             while (snapshot := await origin.snapshot()).depth > 1:
                 pass
             forks.append(await backend.create(snapshot=snapshot))
         for fork in forks:
-            shown = await sh(fork, "stat -c %a locked secret; chmod 700 locked locked/inner secret; ls -A locked; cat locked/inner/file secret")
-            assert shown.stdout.split() == ["0", "0", "inner", "x", "s"], shown
+            script = (
+                "stat -c %a locked secret; chmod 700 locked locked/inner secret; ls -A locked;"
+                " cat locked/inner/file secret; test locked/inner/file -ef linked && echo linked"
+            )
+            shown = await sh(fork, script)
+            assert shown.stdout.split() == ["0", "0", "inner", "x", "s", "linked"], shown
             await fork.delete()
 
 
