@@ -6,7 +6,9 @@ in the session (so they lie in its own upper layer, the case a snapshot
 must move rather than share), measures on each driver:
 
   snapshot     handle.snapshot(), each after a one-file write (p50)
-  fork1        handle.fork(1): a snapshot and a session over it (p50)
+  fork1        handle.fork(1): a snapshot and a session over it (p50); on
+               the native driver from backend.pool_forks(size=2), as a farm
+               that forks would run it
   flatten      the snapshot that merges a stack grown past MAX_STACK_DEPTH
                into one layer (native; once per size)
 
@@ -63,6 +65,8 @@ async def by_size(backend, size: int, reps: int) -> dict:
     """snapshot, fork1 and (native) flatten for one workspace size."""
     empty = await backend.prewarm(template="empty", files={})
     results: dict[str, list[float]] = {"snapshot": [], "fork1": []}
+    if backend.name == "native":
+        await backend.pool_forks(size=2)
     async with await backend.create(template=empty.template_key, destroy_on_close=True) as origin:
         await run_ok(origin, ["python3", "-c", WRITE, str(size)])
         for rep in range(reps):
@@ -72,6 +76,8 @@ async def by_size(backend, size: int, reps: int) -> dict:
             elapsed, [fork] = await timed(origin.fork(1))
             results["fork1"].append(elapsed)
             await fork.delete()
+            if backend.name == "native":
+                await backend.pool_forks(size=2)  # refilled, as between a farm's forks
         summary = {name: percentiles(values) for name, values in results.items()}
         if backend.name == "native":
             # Snapshot until the stack flattens: that one merges it whole.
@@ -85,6 +91,8 @@ async def by_size(backend, size: int, reps: int) -> dict:
 
 
 async def fork16(backend, reps: int) -> dict:
+    """Against session starts: without the fork pool."""
+    await backend.pool_forks(size=0)
     files = template_files(1000)
     template = await backend.prewarm(template="fork16", files=files)
     creates, forks = [], []

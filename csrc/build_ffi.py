@@ -43,7 +43,7 @@ ffibuilder.cdef(
     enum sbx_request_fd { SBX_FD_REPLY, SBX_FD_STDIN, SBX_FD_STDOUT, SBX_FD_STDERR, SBX_NFDS };
     enum sbx_report_kind { SBX_REPORT_READY, SBX_REPORT_ERROR, SBX_REPORT_EXITED, SBX_REPORT_STARTED };
 
-    enum sbx_request_kind { SBX_REQUEST_EXEC, SBX_REQUEST_RESTACK };
+    enum sbx_request_kind { SBX_REQUEST_EXEC, SBX_REQUEST_RESTACK, SBX_REQUEST_REPLACE };
     struct sbx_exec_request {
         uint32_t version;
         uint32_t kind;

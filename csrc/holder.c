@@ -153,6 +153,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"bind", required_argument, NULL, 'b'},      {"tmp-bytes", required_argument, NULL, 't'},
         {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
         {"host-ids", required_argument, NULL, 'i'},  {"proxy-port", required_argument, NULL, 'p'},
+        {"template-store", required_argument, NULL, 'T'}, {"snapshot-store", required_argument, NULL, 'S'},
         {NULL, 0, NULL, 0},
     };
     unsigned long long number;
@@ -165,6 +166,8 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     cfg->prepared.workspace = cfg->prepared.overlay_tree = cfg->prepared.gateway_dir = -1;
     for (int i = 0; i < MAX_OVERLAY_LOWERS; i++)
         cfg->prepared.overlay_lowers[i] = -1;
+    for (int i = 0; i < NSTORES; i++)
+        cfg->prepared.stores[i] = -1;
     cfg->hostname = "sandbox";
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
         switch (opt) {
@@ -218,6 +221,12 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
             if (parse_host_ids(optarg, cfg, err) < 0)
                 return -1;
             break;
+        case 'T':
+            cfg->stores[STORE_TEMPLATES] = optarg;
+            break;
+        case 'S':
+            cfg->stores[STORE_SNAPSHOTS] = optarg;
+            break;
         case 'p':
             if (parse_number(optarg, 65535, &number) < 0 || number == 0)
                 return fail(err, "arguments", EINVAL, "bad --proxy-port %s", optarg);
@@ -231,6 +240,9 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         return fail(err, "arguments", EINVAL, "usage: sandboxns-holder --workspace DIR [options]");
     if (!cfg->noverlay_lowers != !cfg->overlay_work)
         return fail(err, "arguments", EINVAL, "--overlay-lower and --overlay-work go together");
+    if ((cfg->stores[STORE_TEMPLATES] || cfg->stores[STORE_SNAPSHOTS]) &&
+        !(cfg->noverlay_lowers && cfg->stores[STORE_TEMPLATES] && cfg->stores[STORE_SNAPSHOTS]))
+        return fail(err, "arguments", EINVAL, "the layer stores go together, with an overlay");
     if (cfg->proxy_port && cfg->share_network)
         return fail(err, "arguments", EINVAL, "--proxy-port needs the session's own network");
     return 0;
@@ -256,6 +268,9 @@ static void close_prepared_layers(const struct prepared_trees *prepared)
     for (int i = 0; i < MAX_OVERLAY_LOWERS; i++)
         if (prepared->overlay_lowers[i] >= 0)
             close(prepared->overlay_lowers[i]);
+    for (int i = 0; i < NSTORES; i++)
+        if (prepared->stores[i] >= 0)
+            close(prepared->stores[i]);
 }
 
 static volatile pid_t holder_pid;

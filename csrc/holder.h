@@ -35,10 +35,15 @@ struct extra_bind {
 
 /* The host trees a root host clones before it gives up root (userns.c,
  * userns_prepare_host_ids); -1 where nothing was prepared. */
+/* The state directory's stores of read-only layers a session started ahead
+ * (for forks) may later stand on: --template-store, --snapshot-store. */
+enum layer_store { STORE_TEMPLATES = 0, STORE_SNAPSHOTS = 1, NSTORES = 2 };
+
 struct prepared_trees {
     int workspace;    /* the workspace, without an overlay */
     int overlay_tree; /* the directory holding the overlay's upper and work dirs */
     int overlay_lowers[MAX_OVERLAY_LOWERS]; /* the overlay's read-only layers */
+    int stores[NSTORES];
     int gateway_dir;
 };
 
@@ -49,6 +54,7 @@ struct overlay_stack {
     int tree;                          /* the directory of the upper and work directories, or -1 */
     int lowers[MAX_OVERLAY_LOWERS];    /* topmost first */
     int nlowers;
+    int stores[NSTORES];               /* enum layer_store, or -1 */
     int restackable;                   /* mounted from these fds, and nothing is mounted inside it */
 };
 
@@ -71,6 +77,7 @@ struct holder_config {
     const char *overlay_lowers[MAX_OVERLAY_LOWERS]; /* read-only layers under the workspace, topmost first */
     int noverlay_lowers;
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
+    const char *stores[NSTORES]; /* enum layer_store: where later layers come from, or NULL */
     const char *gateway_dir;    /* host path of the egress gateway's directory, or NULL */
     unsigned int proxy_port;    /* --proxy-port: listen for the gateway's proxy there, or 0 */
     const char *hostname;
@@ -119,6 +126,10 @@ void overlay_stack_release(struct overlay_stack *stack);
 int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name);
 int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
                     const char *work_name, int *workspace_fd, struct sbx_report *err);
+/* A new overlay over /workspace on other layers of the stores, each named
+ * "t/<template key>" or "s/<snapshot id>" (topmost first), for a fork. */
+int overlay_replace(struct overlay_stack *stack, const char *upper_name, const char *work_name,
+                    const char *const *layers, int nlayers, int *workspace_fd, struct sbx_report *err);
 
 /* net.c */
 int net_loopback_up(struct sbx_report *err);

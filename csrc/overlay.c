@@ -30,6 +30,8 @@ void overlay_stack_init(struct overlay_stack *stack)
 {
     stack->tree = -1;
     stack->nlowers = 0;
+    for (int i = 0; i < NSTORES; i++)
+        stack->stores[i] = -1;
     stack->restackable = 0;
 }
 
@@ -39,17 +41,20 @@ void overlay_stack_release(struct overlay_stack *stack)
         close(stack->tree);
     for (int i = 0; i < stack->nlowers; i++)
         close(stack->lowers[i]);
+    for (int i = 0; i < NSTORES; i++)
+        if (stack->stores[i] >= 0)
+            close(stack->stores[i]);
     overlay_stack_init(stack);
 }
 
-/* An O_PATH fd of one directory directly in the tree. */
-static int open_in_tree(const struct overlay_stack *stack, const char *name)
+/* An O_PATH fd of one directory directly in the directory dir. */
+static int open_in(int dir, const char *name)
 {
     if (!*name || strchr(name, '/') || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
         errno = EINVAL;
         return -1;
     }
-    return openat(stack->tree, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    return openat(dir, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 }
 
 static int overlay_mount_fds(const int *lowers, int nlowers, int upper, int work)
@@ -80,7 +85,7 @@ failed:
 
 int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name)
 {
-    int upper = open_in_tree(stack, upper_name), work = open_in_tree(stack, work_name), mnt = -1, e;
+    int upper = open_in(stack->tree, upper_name), work = open_in(stack->tree, work_name), mnt = -1, e;
 
     if (upper >= 0 && work >= 0)
         mnt = overlay_mount_fds(stack->lowers, stack->nlowers, upper, work);
@@ -93,6 +98,27 @@ int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_nam
     return mnt;
 }
 
+/* Replace the overlay at /workspace with the detached one mnt. No command
+ * runs, and the next one's init is made after this: nothing but the host's
+ * file handle (which the reply replaces) holds the old overlay, which goes
+ * once that is closed. */
+static int put_over_workspace(struct overlay_stack *stack, int mnt, int *workspace_fd, struct sbx_report *err)
+{
+    if (umount2("/workspace", MNT_DETACH) < 0 ||
+        sys_move_mount(mnt, "", AT_FDCWD, "/workspace", MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        int e = errno;
+
+        close(mnt);
+        stack->restackable = 0; /* whatever /workspace is now, it is not to be trusted */
+        return fail(err, "restack-swap", e, "cannot put the new overlay over /workspace: %s", strerror(e));
+    }
+    close(mnt);
+    *workspace_fd = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (*workspace_fd < 0)
+        return fail(err, "restack-swap", errno, "cannot open the new /workspace: %s", strerror(errno));
+    return 0;
+}
+
 int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
                     const char *work_name, int *workspace_fd, struct sbx_report *err)
 {
@@ -102,7 +128,7 @@ int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const 
         return fail(err, "restack", EOPNOTSUPP, "this session's workspace cannot take new layers in place");
     if (stack->nlowers == MAX_OVERLAY_LOWERS)
         return fail(err, "restack", E2BIG, "the workspace already stands on %d layers", MAX_OVERLAY_LOWERS);
-    pushed = open_in_tree(stack, pushed_name);
+    pushed = open_in(stack->tree, pushed_name);
     if (pushed < 0)
         return fail(err, "restack", errno, "cannot open the layer %s: %s", pushed_name, strerror(errno));
     memmove(stack->lowers + 1, stack->lowers, sizeof stack->lowers[0] * (size_t)stack->nlowers);
@@ -117,20 +143,52 @@ int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const 
         close(pushed);
         return fail(err, "restack", e, "cannot mount the new overlay: %s", strerror(e));
     }
-    /* No command runs, and the next one's init is made after this: nothing
-     * but the host's file handle (which the reply replaces) holds the old
-     * overlay, which goes once that is closed. */
-    if (umount2("/workspace", MNT_DETACH) < 0 ||
-        sys_move_mount(mnt, "", AT_FDCWD, "/workspace", MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+    return put_over_workspace(stack, mnt, workspace_fd, err);
+}
+
+int overlay_replace(struct overlay_stack *stack, const char *upper_name, const char *work_name,
+                    const char *const *layers, int nlayers, int *workspace_fd, struct sbx_report *err)
+{
+    struct overlay_stack next = *stack;
+    int mnt;
+
+    if (!stack->restackable || stack->stores[STORE_TEMPLATES] < 0 || stack->stores[STORE_SNAPSHOTS] < 0)
+        return fail(err, "restack", EOPNOTSUPP, "this session cannot take another workspace's layers");
+    if (nlayers < 1 || nlayers > MAX_OVERLAY_LOWERS)
+        return fail(err, "restack", EINVAL, "%d layers", nlayers);
+    next.nlowers = 0;
+    for (int i = 0; i < nlayers; i++) {
+        const char *spec = layers[i];
+        int store = spec[0] == 't' ? STORE_TEMPLATES : spec[0] == 's' ? STORE_SNAPSHOTS : -1, layer = -1;
+
+        if (store >= 0 && spec[1] == '/') {
+            int holder = open_in(stack->stores[store], spec + 2);
+
+            if (holder >= 0) {
+                layer = openat(holder, "files", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                close(holder);
+            }
+        }
+        if (layer < 0) {
+            int e = store < 0 ? EINVAL : errno;
+
+            for (int j = 0; j < next.nlowers; j++)
+                close(next.lowers[j]);
+            return fail(err, "restack", e, "cannot open the layer %s: %s", spec, strerror(e));
+        }
+        next.lowers[next.nlowers++] = layer;
+    }
+    mnt = overlay_mount_stack(&next, upper_name, work_name);
+    if (mnt < 0) {
         int e = errno;
 
-        close(mnt);
-        stack->restackable = 0; /* whatever /workspace is now, it is not to be trusted */
-        return fail(err, "restack-swap", e, "cannot put the new overlay over /workspace: %s", strerror(e));
+        for (int j = 0; j < next.nlowers; j++)
+            close(next.lowers[j]);
+        return fail(err, "restack", e, "cannot mount the new overlay: %s", strerror(e));
     }
-    close(mnt);
-    *workspace_fd = open("/workspace", O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (*workspace_fd < 0)
-        return fail(err, "restack", errno, "cannot open the new /workspace: %s", strerror(errno));
-    return 0;
+    for (int j = 0; j < stack->nlowers; j++)
+        close(stack->lowers[j]);
+    memcpy(stack->lowers, next.lowers, sizeof next.lowers[0] * (size_t)next.nlowers);
+    stack->nlowers = next.nlowers;
+    return put_over_workspace(stack, mnt, workspace_fd, err);
 }

@@ -133,6 +133,11 @@ static void prepared_lower_path(char *out, size_t size, int index)
     snprintf(out, size, LAYERS "/lower%d", index);
 }
 
+static void prepared_store_path(char *out, size_t size, int index)
+{
+    snprintf(out, size, LAYERS "/store%d", index);
+}
+
 static int attach_prepared_layers(const struct holder_config *cfg, struct sbx_report *err)
 {
     char lower[PATH_MAX];
@@ -147,6 +152,15 @@ static int attach_prepared_layers(const struct holder_config *cfg, struct sbx_re
         if (mkdir(lower, 0700) < 0 ||
             sys_move_mount(cfg->prepared.overlay_lowers[i], "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH) < 0)
             return fail(err, "overlay", errno, "cannot attach the overlay's layer %s: %s", cfg->overlay_lowers[i],
+                        strerror(errno));
+    }
+    for (int i = 0; i < NSTORES; i++) {
+        if (cfg->prepared.stores[i] < 0)
+            continue;
+        prepared_store_path(lower, sizeof lower, i);
+        if (mkdir(lower, 0700) < 0 ||
+            sys_move_mount(cfg->prepared.stores[i], "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            return fail(err, "overlay", errno, "cannot attach the layer store %s: %s", cfg->stores[i],
                         strerror(errno));
     }
     return 0;
@@ -166,7 +180,8 @@ static void layer_path(char *out, size_t size, const char *sibling)
  * the directory of the upper and work directories and of each lower layer,
  * at the paths where they are now: the host's, or a root host's prepared
  * trees where attach_prepared_layers put them. */
-static int stack_layers(struct overlay_stack *stack, const char *tree, const char *const *lowers, int nlowers)
+static int stack_layers(struct overlay_stack *stack, const char *tree, const char *const *lowers, int nlowers,
+                        const char *const *stores)
 {
     stack->tree = sys_open_tree(AT_FDCWD, tree, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
     for (int i = 0; i < nlowers; i++)
@@ -176,6 +191,9 @@ static int stack_layers(struct overlay_stack *stack, const char *tree, const cha
     for (int i = 0; i < stack->nlowers; i++)
         if (stack->lowers[i] < 0)
             return -1;
+    for (int i = 0; i < NSTORES; i++)
+        if (stores[i] && (stack->stores[i] = sys_open_tree(AT_FDCWD, stores[i], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)) < 0)
+            return -1;
     return 0;
 }
 
@@ -183,7 +201,7 @@ static int stack_layers(struct overlay_stack *stack, const char *tree, const cha
  * later; -1 (and an empty stack) where the kernel takes no layer by fd, or
  * the fds cannot be had: then the caller mounts it by path. */
 static int overlay_by_fds(const struct holder_config *cfg, struct overlay_stack *stack, const char *upper,
-                          const char *work, const char *const *lowers)
+                          const char *work, const char *const *lowers, const char *const *stores)
 {
     char tree[PATH_MAX], work_parent[PATH_MAX], upper_name[PATH_MAX], work_name[PATH_MAX];
     int mnt;
@@ -194,7 +212,7 @@ static int overlay_by_fds(const struct holder_config *cfg, struct overlay_stack 
     snprintf(work_name, sizeof work_name, "%s", work);
     /* Their parent is the stack's tree: they must be siblings. */
     if (strcmp(dirname(tree), dirname(work_parent)) != 0 ||
-        stack_layers(stack, tree, lowers, cfg->noverlay_lowers) < 0 ||
+        stack_layers(stack, tree, lowers, cfg->noverlay_lowers, stores) < 0 ||
         (mnt = overlay_mount_stack(stack, basename(upper_name), basename(work_name))) < 0) {
         overlay_stack_release(stack);
         return -1;
@@ -219,7 +237,8 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
 {
     struct bind *bind = &plan->binds[plan->nbinds];
     const char *const *lowers = cfg->overlay_lowers, *upper = cfg->workspace, *work = cfg->overlay_work;
-    static char prepared_lowers[MAX_OVERLAY_LOWERS][PATH_MAX];
+    const char *stores[NSTORES] = {cfg->stores[0], cfg->stores[1]};
+    static char prepared_lowers[MAX_OVERLAY_LOWERS][PATH_MAX], prepared_stores[NSTORES][PATH_MAX];
     const char *prepared_lower_list[MAX_OVERLAY_LOWERS];
     char prepared_upper[PATH_MAX], prepared_work[PATH_MAX];
     int prepared = cfg->prepared.overlay_tree >= 0, fs, mnt;
@@ -238,8 +257,14 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
         lowers = prepared_lower_list;
         upper = prepared_upper;
         work = prepared_work;
+        for (int i = 0; i < NSTORES; i++) {
+            if (!stores[i])
+                continue;
+            prepared_store_path(prepared_stores[i], PATH_MAX, i);
+            stores[i] = prepared_stores[i];
+        }
     }
-    mnt = overlay_by_fds(cfg, stack, upper, work, lowers);
+    mnt = overlay_by_fds(cfg, stack, upper, work, lowers, stores);
     if (mnt < 0) {
         fs = sys_fsopen("overlay", FSOPEN_CLOEXEC);
         if (fs < 0)

@@ -70,6 +70,11 @@ enum sbx_request_fd {
 enum sbx_request_kind {
     SBX_REQUEST_EXEC = 1,
     SBX_REQUEST_RESTACK = 2,
+    /* Like RESTACK, but the new overlay's read-only layers are named in the
+     * layer stores the holder was started with (--template-store,
+     * --snapshot-store): a new upper and work directory, then each layer as
+     * "t/<template key>" or "s/<snapshot id>", topmost first. */
+    SBX_REQUEST_REPLACE = 3,
 };
 
 struct sbx_exec_request {

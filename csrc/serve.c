@@ -91,16 +91,17 @@ static void restack(const char *buf, size_t len, int reply_fd)
 {
     struct sbx_exec_request req;
     struct sbx_report err;
-    const char *names[3], *strings = buf + sizeof req, *end = buf + len;
-    int workspace_fd;
+    const char *names[2 + MAX_OVERLAY_LOWERS], *strings = buf + sizeof req, *end = buf + len;
+    int workspace_fd, rc;
 
     memcpy(&req, buf, sizeof req);
-    if (req.version != SBX_PROTO_VERSION || req.argc != 3 || req.envc != 0 || req.strings_len == 0 ||
+    if (req.version != SBX_PROTO_VERSION || req.argc < 3 || req.argc > 2 + MAX_OVERLAY_LOWERS ||
+        (req.kind == SBX_REQUEST_RESTACK && req.argc != 3) || req.envc != 0 || req.strings_len == 0 ||
         req.strings_len != len - sizeof req || end[-1] != '\0') {
         fail(&err, "restack", EINVAL, "malformed restack request");
         goto refuse;
     }
-    for (int i = 0; i < 3; i++) {
+    for (uint32_t i = 0; i < req.argc; i++) {
         if (strings >= end) {
             fail(&err, "restack", EINVAL, "malformed restack request");
             goto refuse;
@@ -108,7 +109,11 @@ static void restack(const char *buf, size_t len, int reply_fd)
         names[i] = strings;
         strings += strlen(strings) + 1;
     }
-    if (overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err) < 0)
+    if (req.kind == SBX_REQUEST_RESTACK)
+        rc = overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err);
+    else
+        rc = overlay_replace(workspace_stack, names[0], names[1], names + 2, (int)req.argc - 2, &workspace_fd, &err);
+    if (rc < 0)
         goto refuse;
     if (idle) {
         sys_pidfd_send_signal(idle->pidfd, SIGKILL); /* reaped as any other */
@@ -173,7 +178,7 @@ static int serve_control(int control_fd)
         return 1;
     if ((size_t)len >= sizeof req) {
         memcpy(&req, buf, sizeof req);
-        if (req.kind == SBX_REQUEST_RESTACK && nfds == 1) {
+        if ((req.kind == SBX_REQUEST_RESTACK || req.kind == SBX_REQUEST_REPLACE) && nfds == 1) {
             restack(buf, (size_t)len, fds[SBX_FD_REPLY]);
             return 0;
         }

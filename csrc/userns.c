@@ -85,6 +85,9 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
         for (int i = 0; i < cfg->noverlay_lowers; i++)
             if (prepare_tree(cfg->overlay_lowers[i], RUNTIME_RO, idmap, &prepared->overlay_lowers[i], err) < 0)
                 goto out;
+        for (int i = 0; i < NSTORES; i++)
+            if (cfg->stores[i] && prepare_tree(cfg->stores[i], RUNTIME_RO, idmap, &prepared->stores[i], err) < 0)
+                goto out;
     } else if (prepare_tree(cfg->workspace, WORKSPACE_ATTRS, idmap, &prepared->workspace, err) < 0) {
         goto out;
     }

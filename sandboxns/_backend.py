@@ -48,7 +48,7 @@ import secrets
 import ssl
 import stat
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Self
@@ -82,6 +82,8 @@ logger = logging.getLogger("sandboxns")
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
 MAX_CONCURRENT_COMMANDS_LIMIT = 4096
 MAX_POOL_SIZE = 1024
+# The key of the pool of sessions started ahead for forks (Backend.pool_forks).
+FORK_POOL = "forks"
 # Beside an overlay workspace's upper layer during a snapshot: the upper and
 # work directories it goes on with (see SessionHandle.snapshot).
 NEXT_UPPER = "workspace.next"
@@ -552,10 +554,12 @@ class SessionHandle:
 
 
 class _Pool:
-    """Sessions of one template, started and waiting to be handed out."""
+    """Sessions started and waiting to be handed out: of one template, or
+    (FORK_POOL) ready to take a snapshot's layers."""
 
-    def __init__(self, key: str, size: int) -> None:
+    def __init__(self, key: str, size: int, make: Callable[[], Awaitable[SessionHandle]]) -> None:
         self.key = key
+        self.make = make
         self.size = size
         self.ready: collections.deque[SessionHandle] = collections.deque()
         self.wake = trio.Event()  # a hand-out, or a new size
@@ -729,13 +733,15 @@ class Backend:
         policy: NetworkPolicy,
         mounts: tuple[Mount, ...] = (),
         confinement: Confinement = DEFAULT_CONFINEMENT,
+        *,
+        layer_stores: bool = False,
     ) -> SessionHandle:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
         description = self._new_description(key, layout, mounts, confinement)
         session_dir = await self._make_session_dir(description, confinement)
-        return await self._attach(session_dir, description, confinement, policy, new=True)
+        return await self._attach(session_dir, description, confinement, policy, new=True, layer_stores=layer_stores)
 
     async def _create_from_snapshot(
         self, snapshot_id: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
@@ -745,6 +751,21 @@ class Backend:
         is written under the store's lock, so the snapshot cannot be deleted
         from under it."""
         layout = "overlay" if self._overlay else "copy"
+        pool = self._pools.get(FORK_POOL)
+        if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT and self._overlay:
+            handle = pool.ready.popleft()
+            try:
+                if await self._stand_on_snapshot(handle, snapshot_id):
+                    if policy != DENY_ALL:  # pooled sessions wait with no network at all
+                        await handle.session.set_network_policy(policy)
+                    return handle
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await handle.delete()
+                raise
+            finally:
+                pool.wake.set()  # its replacement starts once this one is handed out, not while
+            await handle.delete()  # it cannot: start one afresh
 
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
@@ -762,6 +783,37 @@ class Backend:
 
         session_dir, description = await trio.to_thread.run_sync(make)
         return await self._attach(session_dir, description, confinement, policy, new=True)
+
+    async def _stand_on_snapshot(self, handle: SessionHandle, snapshot_id: str) -> bool:
+        """Give a session of the fork pool a snapshot's layers, its record
+        first (under the store's lock, as a new session's), then its
+        holder's overlay, in the upper and work directories that waited
+        empty beside its blank ones (see _start_driver); False if its holder
+        cannot (it is to be deleted then). The session is the snapshot's
+        from here on; its blank directories go with its next snapshot."""
+        description, storage = handle._description, handle._dir
+
+        def prepare() -> list[str]:
+            with self._snapshots.locked():
+                snapshot = self._snapshots.read(snapshot_id)
+                if snapshot.backend != self.name:
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_STATE_MISMATCH,
+                        f"snapshot {snapshot_id} belongs to backend {snapshot.backend!r}, not {self.name!r}",
+                    )
+                description.update(
+                    template=snapshot.template,
+                    snapshot=snapshot.id,
+                    layers=list(snapshot.layers),
+                    on_template=snapshot.on_template,
+                )
+                write_json(storage / "session.json", description)
+            handle.template_key = snapshot.template
+            layers = [f"s/{layer}" for layer in snapshot.layers]
+            return layers + ([f"t/{snapshot.template}"] if snapshot.on_template else [])
+
+        layers = await trio.to_thread.run_sync(prepare)
+        return await handle._driver.take_layers(["workspace", "overlay-work", *layers], self._lower_layers(description))
 
     async def _create_bound(
         self,
@@ -857,7 +909,14 @@ class Backend:
         return await self._attach(session_dir, description, confinement, policy, new=False)
 
     async def _attach(
-        self, session_dir: Path, description: dict, confinement: Confinement, policy: NetworkPolicy, *, new: bool
+        self,
+        session_dir: Path,
+        description: dict,
+        confinement: Confinement,
+        policy: NetworkPolicy,
+        *,
+        new: bool,
+        layer_stores: bool = False,
     ) -> SessionHandle:
         """Take the lease, mount a capped session's image, and start the
         session's sandbox (and its gateway, for an allow-list policy)."""
@@ -882,7 +941,9 @@ class Backend:
             )
             on_failure.push_async_callback(network.aclose)
             gateway = await network.prepare(policy)
-            driver = await self._start_driver(session_dir, description, confinement, policy, lease, gateway, new=new)
+            driver = await self._start_driver(
+                session_dir, description, confinement, policy, lease, gateway, new=new, layer_stores=layer_stores
+            )
             on_failure.pop_all()
         handle._driver = driver
         handle._lease = lease
@@ -901,6 +962,7 @@ class Backend:
         gateway: GatewayEndpoint | None,
         *,
         new: bool,
+        layer_stores: bool = False,
     ):
         layout = description["layout"]
         storage = _storage_root(session_dir, confinement)
@@ -932,6 +994,13 @@ class Backend:
             # leftovers, some of which it makes mode 000.
             await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
+            if layer_stores:
+                # Started ahead for a fork: it waits on a blank stack in the
+                # directories a snapshot's upper layer goes on with, so that
+                # the fork's own, these, are ready when it is handed out.
+                workspace, scratch = storage / NEXT_UPPER, storage / NEXT_WORK
+                for directory in (workspace, scratch):
+                    directory.mkdir(mode=0o755 if directory == workspace else 0o700)
             overlay = (self._lower_layers(description), scratch)
         elif layout == "copy" and new:
             await self._fill(description, workspace)
@@ -944,6 +1013,7 @@ class Backend:
             mounts=mounts,
             # The cap is the mount made before; the driver sees a directory.
             confinement=dataclasses.replace(confinement, workspace_size=None),
+            **({"layer_stores": (self._templates.root, self._snapshots.root)} if layer_stores else {}),
         )
         try:
             return await start(overlay=overlay)
@@ -1171,13 +1241,36 @@ class Backend:
         handed out are deleted when the backend closes."""
         self._check_open()
         key = check_key(template)
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
-            raise invalid_argument(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
+        await self._fill_pool(key, size, functools.partial(self._create_fresh, key, DENY_ALL))
+
+    async def pool_forks(self, *, size: int) -> None:
+        """Keep ``size`` sessions started ahead for ``create(snapshot=...)``
+        and :meth:`SessionHandle.fork`: one handed out takes the snapshot's
+        layers in place (its holder mounts them over its workspace), so a
+        fork costs no session start; a new one starts in the background.
+        Needs the native driver's overlays (SANDBOX_UNAVAILABLE elsewhere);
+        a fork with mounts or a confinement of its own starts afresh, as
+        does one on a kernel before 6.13. Returns once the pool is full;
+        ``size=0`` empties it. Sessions never handed out are deleted when
+        the backend closes."""
+        self._check_open()
+        if not self._overlay:
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE,
+                f"the {self.name} driver copies workspaces here: no session can take a snapshot's layers in place",
+            )
+        blank = await self.prewarm(template="sandboxns-fork-pool", files={})
+        make = functools.partial(self._create_fresh, blank.template_key, DENY_ALL, layer_stores=True)
+        await self._fill_pool(FORK_POOL, size, make)
+
+    async def _fill_pool(self, key: str, size: int, make: Callable[[], Awaitable[SessionHandle]]) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
+            raise invalid_argument(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _Pool(key, size)
+            pool = self._pools[key] = _Pool(key, size, make)
             self._nursery.start_soon(self._keep_filled, pool)
         pool.size = size
         pool.failure = None
@@ -1195,7 +1288,7 @@ class Backend:
         while not self._closed:
             while len(pool.ready) < pool.size and pool.failure is None and not self._closed:
                 try:
-                    handle = await self._create_fresh(pool.key, DENY_ALL)
+                    handle = await pool.make()
                 except SandboxError as exc:
                     pool.failure = exc  # reported to whoever waits in pool()
                 else:

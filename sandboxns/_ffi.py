@@ -172,15 +172,17 @@ def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimit
     return bytes(ffi.buffer(request)) + strings
 
 
-def encode_restack(pushed: str, upper: str, work: str) -> bytes:
-    """Pack a restack request: the directories named, in the one that holds
-    the workspace's upper layer, are the upper layer that becomes the
-    topmost read-only one, and the new upper and work directories."""
-    strings = b"".join(os.fsencode(name) + b"\0" for name in (pushed, upper, work))
+def encode_restack(names: Sequence[str], replace: bool = False) -> bytes:
+    """Pack a restack request (see sbx_proto.h). Without ``replace``: the
+    directories named, in the one that holds the workspace's upper layer,
+    are the upper layer that becomes the topmost read-only one, and the new
+    upper and work directories. With it: the new upper and work
+    directories, then the layers from the holder's layer stores."""
+    strings = b"".join(os.fsencode(name) + b"\0" for name in names)
     request = ffi.new("struct sbx_exec_request *")
     request.version = lib.SBX_PROTO_VERSION
-    request.kind = lib.SBX_REQUEST_RESTACK
-    request.argc = 3
+    request.kind = lib.SBX_REQUEST_REPLACE if replace else lib.SBX_REQUEST_RESTACK
+    request.argc = len(names)
     request.strings_len = len(strings)
     return bytes(ffi.buffer(request)) + strings
 

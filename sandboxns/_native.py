@@ -159,6 +159,7 @@ class NativeDriver(HostWorkspaceIO):
         gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
+        layer_stores: tuple[Path, Path] | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(lowers, scratch)`` the workspace is
@@ -171,7 +172,11 @@ class NativeDriver(HostWorkspaceIO):
         egress gateway for a policy that has one (see
         :meth:`set_network`).
         ``mounts`` are extra host paths to bind (see :class:`Mount`);
-        ``confinement`` the session's kernel bounds (see :class:`Confinement`)."""
+        ``confinement`` the session's kernel bounds (see :class:`Confinement`).
+        ``layer_stores`` (the state directory's templates and snapshots),
+        with an overlay: the holder keeps a read-only handle on both, so
+        that :meth:`take_layers` can later stand the workspace on any of
+        their layers (a session started ahead, for forks)."""
         workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
         extra = check_mounts(mounts)
         if not HOLDER_PATH.exists():
@@ -198,6 +203,12 @@ class NativeDriver(HostWorkspaceIO):
             lowers, scratch = overlay
             self._base_argv.append(f"--overlay-work={Path(scratch).resolve()}")
             self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
+            if layer_stores is not None:
+                templates, snapshots = layer_stores
+                self._base_argv += [
+                    f"--template-store={Path(templates).resolve()}",
+                    f"--snapshot-store={Path(snapshots).resolve()}",
+                ]
         else:
             self._overlay_lowers = []
         self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
@@ -322,7 +333,7 @@ class NativeDriver(HostWorkspaceIO):
         with trio.CancelScope(shield=True):  # a session without its holder is no session
             async with self._holder_lock:
                 self._check_usable()
-                if names is not None and self._restackable and await self._restack_in_place(names):
+                if names is not None and self._restackable and await self._restack_in_place(_ffi.encode_restack(names)):
                     try:
                         await trio.to_thread.run_sync(move)
                     except BaseException:
@@ -341,7 +352,31 @@ class NativeDriver(HostWorkspaceIO):
                         self._close_stopped()
                         raise
 
-    async def _restack_in_place(self, names: tuple[str, str, str]) -> bool:
+    async def take_layers(self, names: Sequence[str], lowers: Sequence[Path]) -> bool:
+        """For a session started ahead with layer stores (see start): mount
+        a new overlay over /workspace whose read-only layers are ``names[2:]``
+        of those stores ("t/<template key>", "s/<snapshot id>", topmost
+        first; on the host, ``lowers``), under the upper and work
+        directories ``names[0:2]``, beside the current ones; a holder
+        started later (a change of network namespace) stands on them too.
+        False if the holder cannot (nothing changed)."""
+        self._check_usable()
+        with trio.CancelScope(shield=True):
+            async with self._holder_lock:
+                self._check_usable()
+                if not self._restackable or not await self._restack_in_place(_ffi.encode_restack(names, True)):
+                    return False
+                upper, work = (self.workspace.parent / name for name in names[:2])
+                self._base_argv = [
+                    f"--workspace={upper}" if argument.startswith("--workspace=") else
+                    f"--overlay-work={work}" if argument.startswith("--overlay-work=") else argument
+                    for argument in self._base_argv
+                ]  # fmt: skip
+                self.workspace = upper
+                self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
+                return True
+
+    async def _restack_in_place(self, request: bytes) -> bool:
         """Ask the holder for a new overlay over /workspace; False if it
         cannot (then nothing changed). On any other failure the session is
         closed: its workspace may be gone from under the holder, which may
@@ -351,7 +386,7 @@ class NativeDriver(HostWorkspaceIO):
             try:
                 with holder_end:
                     await self._control.sendmsg(
-                        [_ffi.encode_restack(*names)],
+                        [request],
                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [holder_end.fileno()]))],
                     )
                 reply = trio.socket.from_stdlib_socket(host_end)

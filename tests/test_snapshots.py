@@ -462,3 +462,41 @@ async def test_a_bound_workspace_that_now_leads_elsewhere_is_not_copied(backend,
         bound.symlink_to(elsewhere)
         await refused(ErrorCode.SANDBOX_PATH_REFUSED, handle.snapshot(copy=True))
     assert not [p for p in (backend.state_directory / "snapshots").iterdir() if p.name != "lock"]
+
+
+async def test_forks_from_the_pool_are_whole_sessions_of_the_snapshot(backend):
+    if backend.name == "bwrap":
+        await refused(ErrorCode.SANDBOX_UNAVAILABLE, backend.pool_forks(size=2))
+        return
+    template = await backend.prewarm(template="pooled", files={"a": b"template\n", "gone": b"x"})
+    await backend.pool_forks(size=2)
+    pooled = {handle.session_id for handle in backend._pools["forks"].ready}
+    async with await backend.create(template=template.template_key) as origin:
+        await sh(origin, "echo origin > b; rm gone")
+        forks = await origin.fork(3)  # two from the pool, one started afresh
+        try:
+            assert len(pooled & {fork.session_id for fork in forks}) == 2
+            for i, fork in enumerate(forks):
+                await sh(fork, f"echo {i} > mine")
+            for i, fork in enumerate(forks):
+                assert (await sh(fork, "ls; cat a b mine")).stdout.split() == ["a", "b", "mine", "template", "origin", str(i)]
+                assert fork.template_key == template.template_key
+            # A new network namespace is a new holder: it stands on the snapshot too.
+            await forks[0].session.set_network_policy("allow-all")
+            assert (await sh(forks[0], "cat mine b")).stdout == "0\norigin\n"
+            # Stopped and resumed, a pooled fork is the snapshot's.
+            state = forks[1].capture_state()
+            await forks[1].stop()
+            async with await backend.create(state=state, template=state["template"]) as resumed:
+                assert (await sh(resumed, "ls; cat mine")).stdout.split() == ["a", "b", "mine", "1"]
+            # A pooled fork's snapshot: its blank directories go with it.
+            [grandchild] = await forks[2].fork(1)
+            assert (await sh(grandchild, "cat mine")).stdout == "2\n"
+            storage = backend.state_directory / "sessions" / forks[2].session_id
+            assert sorted(p.name for p in storage.iterdir() if p.is_dir()) == ["overlay-work", "workspace"]
+            await grandchild.delete()
+        finally:
+            for fork in forks:
+                await fork.delete()
+    await backend.pool_forks(size=0)  # the pool's refills go
+    assert [p.name for p in (backend.state_directory / "sessions").iterdir()] == [origin.session_id]
