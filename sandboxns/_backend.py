@@ -769,12 +769,7 @@ class Backend:
 
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
-                snapshot = self._snapshots.read(snapshot_id)
-                if snapshot.backend != self.name:
-                    raise SandboxError(
-                        ErrorCode.SANDBOX_STATE_MISMATCH,
-                        f"snapshot {snapshot_id} belongs to backend {snapshot.backend!r}, not {self.name!r}",
-                    )
+                snapshot = self._own_snapshot(snapshot_id)
                 description = self._new_description(snapshot.template, layout, mounts, confinement)
                 description["snapshot"] = snapshot.id
                 if layout == "overlay":
@@ -783,6 +778,17 @@ class Backend:
 
         session_dir, description = await trio.to_thread.run_sync(make)
         return await self._attach(session_dir, description, confinement, policy, new=True)
+
+    def _own_snapshot(self, snapshot_id: str) -> Snapshot:
+        """A stored snapshot of this backend's (another's is
+        SANDBOX_STATE_MISMATCH); the caller holds the store's lock."""
+        snapshot = self._snapshots.read(snapshot_id)
+        if snapshot.backend != self.name:
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"snapshot {snapshot_id} belongs to backend {snapshot.backend!r}, not {self.name!r}",
+            )
+        return snapshot
 
     async def _stand_on_snapshot(self, handle: SessionHandle, snapshot_id: str) -> bool:
         """Give a session of the fork pool a snapshot's layers, its record
@@ -795,12 +801,7 @@ class Backend:
 
         def prepare() -> list[str]:
             with self._snapshots.locked():
-                snapshot = self._snapshots.read(snapshot_id)
-                if snapshot.backend != self.name:
-                    raise SandboxError(
-                        ErrorCode.SANDBOX_STATE_MISMATCH,
-                        f"snapshot {snapshot_id} belongs to backend {snapshot.backend!r}, not {self.name!r}",
-                    )
+                snapshot = self._own_snapshot(snapshot_id)
                 description.update(
                     template=snapshot.template,
                     snapshot=snapshot.id,
