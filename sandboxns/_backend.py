@@ -185,12 +185,12 @@ def _stack_problem(description: dict) -> str | None:
         if layers or on_template or "pending_snapshot" in description:
             return "only an overlay workspace stands on snapshot layers"
         return None
-    layers_, on_template = stack_of(description)
+    _, on_template = stack_of(description)
     if not isinstance(on_template, bool) or (on_template and description["template"] is None):
         return "on_template must be true or false, and true only with a template"
-    if not layers_ and not on_template:
+    if not layers and not on_template:
         return "an overlay workspace needs a layer under it"
-    if len(layers_) + on_template > MAX_STACK_DEPTH or len(set(layers_)) != len(layers_):
+    if len(layers) + on_template > MAX_STACK_DEPTH or len(set(layers)) != len(layers):
         return f"its layers repeat, or stack deeper than {MAX_STACK_DEPTH}"
     return None
 

@@ -192,16 +192,18 @@ class NativeDriver(HostWorkspaceIO):
             str(HOLDER_PATH),
             f"--uid={uid}",
             f"--gid={gid}",
-            f"--workspace={self.workspace}",
             *self.confinement.holder_arguments(),
         ]
         host_ids = guest_host_ids()
         if host_ids is not None:
             self._base_argv.append("--host-ids={}:{}".format(*host_ids))
             self._fs_ids = host_ids
+        # The workspace's layers, which a snapshot changes: see _launch.
+        self._overlay_lowers: list[Path] = []
+        self._overlay_work: Path | None = None
         if overlay is not None:
             lowers, scratch = overlay
-            self._base_argv.append(f"--overlay-work={Path(scratch).resolve()}")
+            self._overlay_work = Path(scratch).resolve()
             self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
             if layer_stores is not None:
                 templates, snapshots = layer_stores
@@ -209,8 +211,6 @@ class NativeDriver(HostWorkspaceIO):
                     f"--template-store={Path(templates).resolve()}",
                     f"--snapshot-store={Path(snapshots).resolve()}",
                 ]
-        else:
-            self._overlay_lowers = []
         self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
         self._lease = lease
         self._closed = False
@@ -237,7 +237,10 @@ class NativeDriver(HostWorkspaceIO):
 
     async def _launch(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Start a holder for this session's workspace with this network."""
-        argv = [*self._base_argv, *(f"--overlay-lower={lower}" for lower in self._overlay_lowers)]
+        argv = [*self._base_argv, f"--workspace={self.workspace}"]
+        if self._overlay_work is not None:
+            argv.append(f"--overlay-work={self._overlay_work}")
+            argv += [f"--overlay-lower={lower}" for lower in self._overlay_lowers]
         if policy.shares_host_network:
             argv.append("--share-network")
         if gateway is not None:
@@ -328,7 +331,7 @@ class NativeDriver(HostWorkspaceIO):
         ``move`` runs, and a holder starts over ``layers()`` (topmost
         first), whether ``move`` succeeded or not."""
         self._check_usable()
-        if not self._overlay_lowers:
+        if self._overlay_work is None:
             raise invalid_argument("the session's workspace is no overlay")
         with trio.CancelScope(shield=True):  # a session without its holder is no session
             async with self._holder_lock:
@@ -366,13 +369,7 @@ class NativeDriver(HostWorkspaceIO):
                 self._check_usable()
                 if not self._restackable or not await self._restack_in_place(_ffi.encode_restack(names, True)):
                     return False
-                upper, work = (self.workspace.parent / name for name in names[:2])
-                self._base_argv = [
-                    f"--workspace={upper}" if argument.startswith("--workspace=") else
-                    f"--overlay-work={work}" if argument.startswith("--overlay-work=") else argument
-                    for argument in self._base_argv
-                ]  # fmt: skip
-                self.workspace = upper
+                self.workspace, self._overlay_work = (self.workspace.parent / name for name in names[:2])
                 self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
                 return True
 

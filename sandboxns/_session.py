@@ -314,21 +314,18 @@ class Session:
         while any command runs; policies are never stored on disk."""
         checked = check_network_policy(policy)
         with self.exclusive("a change of the network policy"):
-            await self._apply_network_policy(checked)
-
-    async def _apply_network_policy(self, checked: NetworkPolicy) -> None:
-        try:
-            if self._network is not None:
-                await self._network.apply(self.driver, checked)
-            elif checked.needs_gateway:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_POLICY_REFUSED,
-                    "an allow-list policy needs the egress gateway, which open_sandbox() and backends provide",
-                )
-            else:
-                await self.driver.set_network(checked, None)
-        finally:
-            self.network_generation += 1
+            try:
+                if self._network is not None:
+                    await self._network.apply(self.driver, checked)
+                elif checked.needs_gateway:
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_POLICY_REFUSED,
+                        "an allow-list policy needs the egress gateway, which open_sandbox() and backends provide",
+                    )
+                else:
+                    await self.driver.set_network(checked, None)
+            finally:
+                self.network_generation += 1
 
     async def read_file(self, path: str) -> bytes:
         """The content of a workspace file (at most 1 MiB)."""
