@@ -75,6 +75,7 @@ ffibuilder.cdef(
     #define RESOLVE_NO_SYMLINKS ...
     int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
     int sbx_set_fs_ids(unsigned int uid, unsigned int gid);
+    int sbx_exchange(const char *a, const char *b);
     int sbx_make_userns(const char *uid_map, const char *gid_map, int owner_uid, int owner_gid);
     int sbx_idmapped_mount_ns(const char *const *sources, const char *const *targets, const int *readonly, int n,
                               int idmap_userns_fd);

@@ -4,7 +4,9 @@
  * the lookup, which no userspace check of the path can do. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/openat2.h>
+#include <stdio.h>
 #include <sys/fsuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -33,4 +35,14 @@ int sbx_set_fs_ids(unsigned int uid, unsigned int gid)
     if ((unsigned int)setfsgid((gid_t)-1) != gid || (unsigned int)setfsuid((uid_t)-1) != uid)
         return -EPERM;
     return 0;
+}
+
+/* Swap two names atomically (renameat2 RENAME_EXCHANGE): a record is
+ * replaced by writing a spare file and exchanging it with the record, so
+ * that no file is created or deleted, which ext4 makes slow after churn (its
+ * inode allocator skips over recently deleted inodes, one by one), and no
+ * rename lands over a file (ext4 then flushes the new one's data). */
+int sbx_exchange(const char *a, const char *b)
+{
+    return renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) < 0 ? -errno : 0;
 }

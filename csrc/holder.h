@@ -52,6 +52,7 @@ struct prepared_trees {
  * (restack) without the host's tree. */
 struct overlay_stack {
     int tree;                          /* the directory of the upper and work directories, or -1 */
+    int upper;                         /* the upper directory, or -1 */
     int lowers[MAX_OVERLAY_LOWERS];    /* topmost first */
     int nlowers;
     int stores[NSTORES];               /* enum layer_store, or -1 */
@@ -121,11 +122,14 @@ int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, s
 void overlay_stack_init(struct overlay_stack *stack);
 void overlay_stack_release(struct overlay_stack *stack);
 /* A detached overlay mount of the stack's layers under the upper and work
- * directories named in its tree; -1 with errno set (before Linux 6.13 the
- * kernel takes no layer by fd). */
-int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name);
-int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
-                    const char *work_name, int *workspace_fd, struct sbx_report *err);
+ * directories named in its tree, whose upper directory the stack keeps; -1
+ * with errno set (before Linux 6.13 the kernel takes no layer by fd). */
+int overlay_mount_stack(struct overlay_stack *stack, const char *upper_name, const char *work_name);
+/* A new overlay over /workspace whose topmost read-only layer is the
+ * current upper directory, wherever the host has renamed it to since, for
+ * a snapshot. */
+int overlay_restack(struct overlay_stack *stack, const char *upper_name, const char *work_name, int *workspace_fd,
+                    struct sbx_report *err);
 /* A new overlay over /workspace on other layers of the stores, each named
  * "t/<template key>" or "s/<snapshot id>" (topmost first), for a fork. */
 int overlay_replace(struct overlay_stack *stack, const char *upper_name, const char *work_name,

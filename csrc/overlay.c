@@ -5,13 +5,14 @@
  * overlayfs takes each layer as an fd (FSCONFIG_SET_FD), also of a detached
  * mount (open_tree(OPEN_TREE_CLONE), or a root host's idmapped clone), so
  * the layers need not be attached anywhere in the session's mount namespace.
- * The holder keeps those fds, and the detached clone of the directory that
- * holds the upper and work directories (the "tree"), for as long as it
- * runs: a snapshot then asks it to restack, to mount a new overlay over
- * /workspace whose topmost read-only layer is the old upper directory, with
- * a new upper directory above, all without a new holder. The host renames
- * the old upper directory into the snapshot store afterwards; the holder's
- * fd follows the directory wherever it is renamed to on its file system.
+ * The holder keeps those fds, the upper directory's, and the detached clone
+ * of the directory that holds the upper and work directories (the "tree"),
+ * for as long as it runs: a snapshot then asks it to restack, to mount a new
+ * overlay over /workspace whose topmost read-only layer is the old upper
+ * directory, with a new upper directory above, all without a new holder.
+ * The host has renamed the old upper directory into the snapshot store
+ * first (and the new one to its name); the holder's fd follows a directory
+ * wherever it is renamed to on its file system.
  *
  * The holder is out of every guest's reach (non-dumpable, in no command's
  * pid namespace), each command's init closes these fds before anything of
@@ -29,6 +30,7 @@
 void overlay_stack_init(struct overlay_stack *stack)
 {
     stack->tree = -1;
+    stack->upper = -1;
     stack->nlowers = 0;
     for (int i = 0; i < NSTORES; i++)
         stack->stores[i] = -1;
@@ -39,6 +41,8 @@ void overlay_stack_release(struct overlay_stack *stack)
 {
     if (stack->tree >= 0)
         close(stack->tree);
+    if (stack->upper >= 0)
+        close(stack->upper);
     for (int i = 0; i < stack->nlowers; i++)
         close(stack->lowers[i]);
     for (int i = 0; i < NSTORES; i++)
@@ -83,15 +87,20 @@ failed:
     return -1;
 }
 
-int overlay_mount_stack(const struct overlay_stack *stack, const char *upper_name, const char *work_name)
+int overlay_mount_stack(struct overlay_stack *stack, const char *upper_name, const char *work_name)
 {
     int upper = open_in(stack->tree, upper_name), work = open_in(stack->tree, work_name), mnt = -1, e;
 
     if (upper >= 0 && work >= 0)
         mnt = overlay_mount_fds(stack->lowers, stack->nlowers, upper, work);
     e = errno;
-    if (upper >= 0)
+    if (mnt >= 0) {
+        if (stack->upper >= 0)
+            close(stack->upper);
+        stack->upper = upper;
+    } else if (upper >= 0) {
         close(upper);
+    }
     if (work >= 0)
         close(work);
     errno = e;
@@ -119,18 +128,17 @@ static int put_over_workspace(struct overlay_stack *stack, int mnt, int *workspa
     return 0;
 }
 
-int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const char *upper_name,
-                    const char *work_name, int *workspace_fd, struct sbx_report *err)
+int overlay_restack(struct overlay_stack *stack, const char *upper_name, const char *work_name, int *workspace_fd,
+                    struct sbx_report *err)
 {
     int pushed, mnt;
 
-    if (!stack->restackable)
+    if (!stack->restackable || stack->upper < 0)
         return fail(err, "restack", EOPNOTSUPP, "this session's workspace cannot take new layers in place");
     if (stack->nlowers == MAX_OVERLAY_LOWERS)
         return fail(err, "restack", E2BIG, "the workspace already stands on %d layers", MAX_OVERLAY_LOWERS);
-    pushed = open_in(stack->tree, pushed_name);
-    if (pushed < 0)
-        return fail(err, "restack", errno, "cannot open the layer %s: %s", pushed_name, strerror(errno));
+    pushed = stack->upper;
+    stack->upper = -1;
     memmove(stack->lowers + 1, stack->lowers, sizeof stack->lowers[0] * (size_t)stack->nlowers);
     stack->lowers[0] = pushed;
     stack->nlowers++;
@@ -140,7 +148,7 @@ int overlay_restack(struct overlay_stack *stack, const char *pushed_name, const 
 
         stack->nlowers--;
         memmove(stack->lowers, stack->lowers + 1, sizeof stack->lowers[0] * (size_t)stack->nlowers);
-        close(pushed);
+        stack->upper = pushed;
         return fail(err, "restack", e, "cannot mount the new overlay: %s", strerror(e));
     }
     return put_over_workspace(stack, mnt, workspace_fd, err);
@@ -190,5 +198,6 @@ int overlay_replace(struct overlay_stack *stack, const char *upper_name, const c
         close(stack->lowers[j]);
     memcpy(stack->lowers, next.lowers, sizeof next.lowers[0] * (size_t)next.nlowers);
     stack->nlowers = next.nlowers;
+    stack->upper = next.upper; /* the old one closed */
     return put_over_workspace(stack, mnt, workspace_fd, err);
 }

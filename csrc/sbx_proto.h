@@ -8,7 +8,7 @@
  *   host -> holder   one struct sbx_exec_request followed by strings_len bytes
  *                    of NUL-terminated strings (cwd, argv[0..argc), env[0..envc)),
  *                    with SBX_NFDS descriptors attached by SCM_RIGHTS; or, of
- *                    kind SBX_REQUEST_RESTACK, three names (see below) and
+ *                    kind SBX_REQUEST_RESTACK, two names (see below) and
  *                    one descriptor, the reply socket, on which the holder
  *                    answers READY with a new O_PATH fd of /workspace, or
  *                    ERROR: at step "restack" nothing changed (err
@@ -32,7 +32,7 @@
 
 #include <stdint.h>
 
-#define SBX_PROTO_VERSION 3
+#define SBX_PROTO_VERSION 4
 /* Upper bound on the strings of one request (cwd + argv + env). */
 #define SBX_MAX_REQUEST_STRINGS (128 * 1024)
 
@@ -64,9 +64,9 @@ enum sbx_request_fd {
 };
 
 /* A restack request names, in the directory that holds the workspace's
- * upper layer (its "tree"), the current upper layer, to become the topmost
- * read-only layer, and a new upper and work directory: the holder mounts a
- * new overlay over /workspace with them, for a snapshot (see overlay.c). */
+ * upper layer (its "tree"), a new upper and work directory: the holder
+ * mounts a new overlay over /workspace with them, whose topmost read-only
+ * layer is the current upper directory, for a snapshot (see overlay.c). */
 enum sbx_request_kind {
     SBX_REQUEST_EXEC = 1,
     SBX_REQUEST_RESTACK = 2,

@@ -95,8 +95,8 @@ static void restack(const char *buf, size_t len, int reply_fd)
     int workspace_fd, rc;
 
     memcpy(&req, buf, sizeof req);
-    if (req.version != SBX_PROTO_VERSION || req.argc < 3 || req.argc > 2 + MAX_OVERLAY_LOWERS ||
-        (req.kind == SBX_REQUEST_RESTACK && req.argc != 3) || req.envc != 0 || req.strings_len == 0 ||
+    if (req.version != SBX_PROTO_VERSION || req.argc < 2 || req.argc > 2 + MAX_OVERLAY_LOWERS ||
+        (req.kind == SBX_REQUEST_RESTACK && req.argc != 2) || req.envc != 0 || req.strings_len == 0 ||
         req.strings_len != len - sizeof req || end[-1] != '\0') {
         fail(&err, "restack", EINVAL, "malformed restack request");
         goto refuse;
@@ -110,7 +110,7 @@ static void restack(const char *buf, size_t len, int reply_fd)
         strings += strlen(strings) + 1;
     }
     if (req.kind == SBX_REQUEST_RESTACK)
-        rc = overlay_restack(workspace_stack, names[0], names[1], names[2], &workspace_fd, &err);
+        rc = overlay_restack(workspace_stack, names[0], names[1], &workspace_fd, &err);
     else
         rc = overlay_replace(workspace_stack, names[0], names[1], names + 2, (int)req.argc - 2, &workspace_fd, &err);
     if (rc < 0)

@@ -85,9 +85,11 @@ MAX_POOL_SIZE = 1024
 # The key of the pool of sessions started ahead for forks (Backend.pool_forks).
 FORK_POOL = "forks"
 # Beside an overlay workspace's upper layer during a snapshot: the upper and
-# work directories it goes on with (see SessionHandle.snapshot).
+# work directories it goes on with (see Backend._freeze), and the work
+# directory of the overlay it leaves, which the next snapshot removes.
 NEXT_UPPER = "workspace.next"
 NEXT_WORK = "overlay-work.next"
+OLD_WORK = "overlay-work.old"
 # How many of a fork's sessions start at once.
 FORK_CONCURRENCY = max(2, os.cpu_count() or 1)
 STATE_FORMAT = 1
@@ -460,6 +462,12 @@ class SessionHandle:
         otherwise, like a policy change). A session bound to a host
         directory is refused (SANDBOX_INVALID_ARGUMENT) unless ``copy`` says
         to copy that directory's files."""
+        return await self._snapshot(name, copy)
+
+    async def _snapshot(
+        self, name: str | None, copy: bool, meanwhile: Callable[[Snapshot], Awaitable[None]] | None = None
+    ) -> Snapshot:
+        """:meth:`snapshot`; ``meanwhile`` as Backend._take_snapshot takes it."""
         name = check_snapshot_name(name)
         if not isinstance(copy, bool):
             raise invalid_argument(f"copy must be True or False, not {copy!r}")
@@ -467,7 +475,7 @@ class SessionHandle:
             if not self.live:
                 raise SandboxError(ErrorCode.SANDBOX_STOPPED, f"session {self.session_id} is not running")
             with self.session.exclusive("a snapshot"):
-                return await self._backend._take_snapshot(self, name, copy)
+                return await self._backend._take_snapshot(self, name, copy, meanwhile)
 
     async def fork(
         self,
@@ -489,46 +497,56 @@ class SessionHandle:
         made are deleted; the snapshot stays (this session stands on it)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_POOL_SIZE:
             raise invalid_argument(f"n must be an integer from 1 to {MAX_POOL_SIZE}, not {n!r}")
-        check_network_policy(network)
-        snapshot = await self.snapshot(name, copy=copy)
-        create = functools.partial(
-            self._backend.create,
-            snapshot=snapshot,
-            network=network,
-            idle_timeout=idle_timeout,
-            destroy_on_close=destroy_on_close,
-            destroy_on_idle=destroy_on_idle,
-            retention=retention,
-            mounts=[Mount(**mount) for mount in self._description.get("mounts", [])],
-            confinement=Confinement.from_dict(self._description.get("confinement", {})),
-        )
-        forks: list[SessionHandle | None] = [None] * n
+        policy = check_network_policy(network)
+        lifetime = _Lifetime.checked(idle_timeout, destroy_on_close, destroy_on_idle, retention)
+        backend = self._backend
+        mounts = [Mount(**mount) for mount in self._description.get("mounts", [])]
+        confinement = Confinement.from_dict(self._description.get("confinement", {}))
+        pooled: list[SessionHandle] = []
+        started: list[SessionHandle] = []
+
+        async def hand_out(snapshot: Snapshot) -> None:
+            # Sessions of the fork pool take the snapshot's layers while
+            # this one's holder goes over to it.
+            if not mounts and confinement == DEFAULT_CONFINEMENT:
+                pooled.extend(await backend._hand_out_forks(snapshot, n, policy))
+
         failures: list[Exception] = []
-        # A session start is mostly the kernel making namespaces and mounts
-        # for a holder process: several overlap on the host's cores.
-        starting = trio.CapacityLimiter(min(n, FORK_CONCURRENCY))
-
-        async def start(index: int) -> None:
-            try:
-                async with starting:
-                    forks[index] = await create()
-            except Exception as exc:  # the first is the fork's failure; the others stop
-                failures.append(exc)
-                nursery.cancel_scope.cancel()
-
         try:
+            snapshot = await self._snapshot(name, copy, hand_out)
+            for fork in pooled:
+                await backend._hand_over(fork, lifetime)
+            create = functools.partial(
+                backend.create,
+                snapshot=snapshot,
+                network=policy,
+                mounts=mounts,
+                confinement=confinement,
+                **dataclasses.asdict(lifetime),
+            )
+            # A session start is mostly the kernel making namespaces and
+            # mounts for a holder process: several overlap on the host's cores.
+            starting = trio.CapacityLimiter(FORK_CONCURRENCY)
+
+            async def start() -> None:
+                try:
+                    async with starting:
+                        started.append(await create())
+                except Exception as exc:  # the first is the fork's failure; the others stop
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
+
             async with trio.open_nursery() as nursery:
-                for index in range(n):
-                    nursery.start_soon(start, index)
+                for _ in range(n - len(pooled)):
+                    nursery.start_soon(start)
             if failures:
                 raise failures[0]
         except BaseException:  # a failure, or the caller cancelled: no fork stays
             with trio.CancelScope(shield=True):
-                for fork in forks:
-                    if fork is not None:
-                        await fork.delete()
+                for fork in pooled + started:
+                    await fork.delete()
             raise
-        return forks
+        return pooled + started
 
     async def delete(self) -> None:
         """Stop the session and remove its state and workspace (never a
@@ -551,6 +569,31 @@ class SessionHandle:
             finally:
                 self._release()
             self._deleted = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lifetime:
+    """What create() and fork() take about a new session's end."""
+
+    idle_timeout: float | None
+    destroy_on_close: bool
+    destroy_on_idle: bool
+    retention: float | None
+
+    @classmethod
+    def checked(
+        cls, idle_timeout: object, destroy_on_close: object, destroy_on_idle: object, retention: object
+    ) -> _Lifetime:
+        if idle_timeout is not None:
+            idle_timeout = check_seconds(idle_timeout, "idle_timeout")
+        for name, flag in (("destroy_on_close", destroy_on_close), ("destroy_on_idle", destroy_on_idle)):
+            if not isinstance(flag, bool):
+                raise invalid_argument(f"{name} must be True or False, not {flag!r}")
+        if destroy_on_idle and idle_timeout is None:
+            raise invalid_argument("destroy_on_idle needs an idle_timeout")
+        if retention is not None:
+            retention = check_seconds(retention, "retention")
+        return cls(idle_timeout, destroy_on_close, destroy_on_idle, retention)
 
 
 class _Pool:
@@ -672,21 +715,15 @@ class Backend:
             self._refuse_state_overlap(Path(mount.host), "mount")
         if extra and state is not None:
             raise invalid_argument("mounts are given when a session is created; a resumed session keeps its own")
-        if idle_timeout is not None:
-            idle_timeout = check_seconds(idle_timeout, "idle_timeout")
-        for name, flag in (("destroy_on_close", destroy_on_close), ("destroy_on_idle", destroy_on_idle)):
-            if not isinstance(flag, bool):
-                raise invalid_argument(f"{name} must be True or False, not {flag!r}")
-        if destroy_on_idle and idle_timeout is None:
-            raise invalid_argument("destroy_on_idle needs an idle_timeout")
-        if retention is not None:
-            if state is not None:
-                raise invalid_argument("retention is given when a session is created; a resumed session keeps its own")
-            retention = check_seconds(retention, "retention")
+        if retention is not None and state is not None:
+            raise invalid_argument("retention is given when a session is created; a resumed session keeps its own")
+        lifetime = _Lifetime.checked(idle_timeout, destroy_on_close, destroy_on_idle, retention)
         if snapshot is not None:
             if template is not None or workspace is not None or state is not None:
                 raise invalid_argument("give snapshot= alone: its session's workspace starts as the snapshot")
-            handle = await self._create_from_snapshot(snapshot_id_of(snapshot), policy, extra, confinement)
+            if not isinstance(snapshot, Snapshot):
+                snapshot = snapshot_id_of(snapshot)
+            handle = await self._create_from_snapshot(snapshot, policy, extra, confinement)
         elif state is not None:
             handle = await self._resume(state, template, workspace, policy)
         elif workspace is not None:
@@ -697,18 +734,22 @@ class Backend:
             raise invalid_argument("create() needs template=, workspace= or state=")
         else:
             handle = await self._create_from_template(check_key(template), policy, extra, confinement)
-        if retention is not None:
+        await self._hand_over(handle, lifetime)
+        return handle
+
+    async def _hand_over(self, handle: SessionHandle, lifetime: _Lifetime) -> None:
+        """Give a session just made (or taken from a pool) its lifetime."""
+        if lifetime.retention is not None:
             try:
-                await trio.to_thread.run_sync(handle._retain, retention)
+                await trio.to_thread.run_sync(handle._retain, lifetime.retention)
             except BaseException:
                 await handle.delete()  # nobody has seen it yet
                 raise
-        handle.destroy_on_close = destroy_on_close
-        handle.destroy_on_idle = destroy_on_idle
+        handle.destroy_on_close = lifetime.destroy_on_close
+        handle.destroy_on_idle = lifetime.destroy_on_idle
         handle.session.touch()  # a pooled session may have waited a long time
-        if idle_timeout is not None:
-            await self._nursery.start(handle._watch_idleness, idle_timeout)
-        return handle
+        if lifetime.idle_timeout is not None:
+            await self._nursery.start(handle._watch_idleness, lifetime.idle_timeout)
 
     async def _create_from_template(
         self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
@@ -744,36 +785,33 @@ class Backend:
         return await self._attach(session_dir, description, confinement, policy, new=True, layer_stores=layer_stores)
 
     async def _create_from_snapshot(
-        self, snapshot_id: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
+        self,
+        snapshot: Snapshot | str,
+        policy: NetworkPolicy,
+        mounts: tuple[Mount, ...],
+        confinement: Confinement,
     ) -> SessionHandle:
-        """A new session over a snapshot: an empty upper layer over its
-        layers, or (without an overlay) a copy of it. The session's record
-        is written under the store's lock, so the snapshot cannot be deleted
-        from under it."""
+        """A new session over a snapshot (given whole, or by its id): an
+        empty upper layer over its layers, or (without an overlay) a copy of
+        it. The session's record is written under the store's lock, so the
+        snapshot cannot be deleted from under it."""
         layout = "overlay" if self._overlay else "copy"
         pool = self._pools.get(FORK_POOL)
         if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT and self._overlay:
-            handle = pool.ready.popleft()
-            try:
-                if await self._stand_on_snapshot(handle, snapshot_id):
-                    if policy != DENY_ALL:  # pooled sessions wait with no network at all
-                        await handle.session.set_network_policy(policy)
-                    return handle
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await handle.delete()
-                raise
-            finally:
-                pool.wake.set()  # its replacement starts once this one is handed out, not while
-            await handle.delete()  # it cannot: start one afresh
+            if isinstance(snapshot, str):
+                snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot)
+            handed_out = await self._hand_out_forks(snapshot, 1, policy)
+            if handed_out:
+                return handed_out[0]
+        snapshot_id = snapshot if isinstance(snapshot, str) else snapshot.id
 
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
-                snapshot = self._own_snapshot(snapshot_id)
-                description = self._new_description(snapshot.template, layout, mounts, confinement)
-                description["snapshot"] = snapshot.id
+                stored = self._own_snapshot(snapshot_id)
+                description = self._new_description(stored.template, layout, mounts, confinement)
+                description["snapshot"] = stored.id
                 if layout == "overlay":
-                    description["layers"], description["on_template"] = list(snapshot.layers), snapshot.on_template
+                    description["layers"], description["on_template"] = list(stored.layers), stored.on_template
                 return self._make_session_dir_now(description, confinement), description
 
         session_dir, description = await trio.to_thread.run_sync(make)
@@ -790,31 +828,85 @@ class Backend:
             )
         return snapshot
 
-    async def _stand_on_snapshot(self, handle: SessionHandle, snapshot_id: str) -> bool:
-        """Give a session of the fork pool a snapshot's layers, its record
-        first (under the store's lock, as a new session's), then its
-        holder's overlay, in the upper and work directories that waited
-        empty beside its blank ones (see _start_driver); False if its holder
-        cannot (it is to be deleted then). The session is the snapshot's
-        from here on; its blank directories go with its next snapshot."""
+    def _read_own_snapshot(self, snapshot_id: str) -> Snapshot:
+        with self._snapshots.locked():
+            return self._own_snapshot(snapshot_id)
+
+    async def _hand_out_forks(self, snapshot: Snapshot, n: int, policy: NetworkPolicy) -> list[SessionHandle]:
+        """Up to ``n`` sessions of the fork pool (as many as are ready),
+        standing on ``snapshot`` with ``policy``. One whose holder cannot
+        take the layers is deleted and left out (the caller starts one
+        afresh); should one fail otherwise, none is handed out."""
+        pool = self._pools.get(FORK_POOL)
+        if pool is None or not self._overlay:
+            return []
+        taken: list[SessionHandle] = []
+
+        async def hand_out(handle: SessionHandle) -> None:
+            try:
+                if await self._stand_on_snapshot(handle, snapshot):
+                    if policy != DENY_ALL:  # pooled sessions wait with no network at all
+                        await handle.session.set_network_policy(policy)
+                    taken.append(handle)
+                    return
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await handle.delete()
+                raise
+            await handle.delete()
+
+        try:
+            async with service_nursery() as nursery:
+                for _ in range(min(n, len(pool.ready))):
+                    nursery.start_soon(hand_out, pool.ready.popleft())
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for handle in taken:
+                    await handle.delete()
+            raise
+        finally:
+            pool.wake.set()  # their replacements start once these are handed out, not while
+        return taken
+
+    async def _stand_on_snapshot(self, handle: SessionHandle, snapshot: Snapshot) -> bool:
+        """Give a session of the fork pool a snapshot's layers: its holder
+        mounts them over its workspace, in the upper and work directories
+        that waited empty beside its blank ones (see _start_driver), while
+        its record is written (under the store's lock, as a new session's,
+        and only if the store holds that very snapshot). False if the holder
+        cannot; then, or on a failure, the caller deletes the session. From
+        here on the session is the snapshot's; its blank directories go with
+        its next snapshot."""
         description, storage = handle._description, handle._dir
+        description.update(
+            template=snapshot.template,
+            snapshot=snapshot.id,
+            layers=list(snapshot.layers),
+            on_template=snapshot.on_template,
+        )
+        handle.template_key = snapshot.template
 
-        def prepare() -> list[str]:
+        def record() -> None:
             with self._snapshots.locked():
-                snapshot = self._own_snapshot(snapshot_id)
-                description.update(
-                    template=snapshot.template,
-                    snapshot=snapshot.id,
-                    layers=list(snapshot.layers),
-                    on_template=snapshot.on_template,
-                )
+                stored = self._own_snapshot(snapshot.id)
+                if (stored.template, stored.layers, stored.on_template) != (
+                    snapshot.template,
+                    snapshot.layers,
+                    snapshot.on_template,
+                ):
+                    raise SandboxError(
+                        ErrorCode.SANDBOX_STATE_MISMATCH, f"snapshot {snapshot.id} is not the one stored under its id"
+                    )
                 write_json(storage / "session.json", description)
-            handle.template_key = snapshot.template
-            layers = [f"s/{layer}" for layer in snapshot.layers]
-            return layers + ([f"t/{snapshot.template}"] if snapshot.on_template else [])
 
-        layers = await trio.to_thread.run_sync(prepare)
-        return await handle._driver.take_layers(["workspace", "overlay-work", *layers], self._lower_layers(description))
+        layers = [f"s/{layer}" for layer in snapshot.layers] + (
+            [f"t/{snapshot.template}"] if snapshot.on_template else []
+        )
+        async with service_nursery() as nursery:
+            nursery.start_soon(functools.partial(trio.to_thread.run_sync, record))
+            return await handle._driver.take_layers(
+                ["workspace", "overlay-work", *layers], self._lower_layers(description)
+            )
 
     async def _create_bound(
         self,
@@ -1070,9 +1162,16 @@ class Backend:
                 ErrorCode.SANDBOX_LIMIT, f"{what} does not fit in the session's workspace: {exc.strerror}"
             ) from None
 
-    async def _take_snapshot(self, handle: SessionHandle, name: str | None, copy: bool) -> Snapshot:
+    async def _take_snapshot(
+        self,
+        handle: SessionHandle,
+        name: str | None,
+        copy: bool,
+        meanwhile: Callable[[Snapshot], Awaitable[None]] | None = None,
+    ) -> Snapshot:
         """See :meth:`SessionHandle.snapshot`; the caller has the session to
-        itself."""
+        itself. ``meanwhile(snapshot)`` runs once the snapshot is whole in
+        the store, while the session's holder goes over to it."""
         description = handle._description
         layout = description["layout"]
         if layout == "bound" and not copy:
@@ -1104,43 +1203,53 @@ class Backend:
             "backend": self.name,
             "template": description["template"],
         }
-        layer_list = functools.partial(self._lower_layers, description)
-        if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
-            snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
-            storage = workspace.parent
-            try:
-                await trio.to_thread.run_sync(self._begin_freeze, handle._dir, description, storage, snapshot)
-                # A capped workspace's upper layer is copied off its image,
-                # which a holder still standing on it must not see emptied.
-                await handle._driver.restack(
-                    (workspace.name, NEXT_UPPER, NEXT_WORK) if confinement.workspace_size is None else None,
-                    functools.partial(self._finish_freeze, handle._dir, description, storage, snapshot),
-                    layer_list,
-                )
-            finally:
-                if "pending_snapshot" in description:  # failed before it was finished
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(self._settle_snapshot, handle._dir, description, storage)
-            return snapshot
-        # A whole copy: of a copied or bound workspace, or of a stack that
-        # has grown too deep, which then stands on the copy alone.
-        snapshot = Snapshot(**known, layers=(snapshot_id,), on_template=False)
-        sources = [workspace, *(self._lower_layers(description) if layout == "overlay" else [])]
-        await trio.to_thread.run_sync(self._store_copy, snapshot, sources)
-        description["snapshot"] = snapshot_id
-        if layout != "overlay":
-            await trio.to_thread.run_sync(write_json, handle._dir / "session.json", description)
-            return snapshot
-
-        def stand_on_copy() -> None:
-            # The record first: should this process die before the upper
-            # layer is emptied, what is left there is in the copy below too.
-            description["layers"], description["on_template"] = [snapshot_id], False
-            write_json(handle._dir / "session.json", description)
-            _empty_upper(workspace, self._snapshots.files_of(snapshot_id))
-
-        await handle._driver.restack(None, stand_on_copy, layer_list)
+        async with service_nursery() as nursery:
+            # Once a holder's overlay stands on a layer of the store, it must
+            # be put on the new stack, whatever happens.
+            with trio.CancelScope(shield=True):
+                if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
+                    snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
+                    try:
+                        await trio.to_thread.run_sync(
+                            self._freeze, handle._dir, description, workspace.parent, snapshot
+                        )
+                    except BaseException:
+                        if self._snapshots.exists(snapshot_id):
+                            # Its layer is in the store, but the session is
+                            # not settled on it: no holder may go on writing
+                            # there. The next attach settles it.
+                            await handle._close()
+                        raise
+                    # A capped workspace's upper layer was copied off its
+                    # image: no holder may go on over the emptied directory.
+                    names = None if confinement.workspace_size is not None else (workspace.name, "overlay-work")
+                else:
+                    # A whole copy: of a copied or bound workspace, or of a
+                    # stack grown too deep, which then stands on the copy alone.
+                    snapshot = Snapshot(**known, layers=(snapshot_id,), on_template=False)
+                    sources = [workspace, *(self._lower_layers(description) if layout == "overlay" else [])]
+                    await trio.to_thread.run_sync(self._store_copy, snapshot, sources)
+                    description["snapshot"] = snapshot_id
+                    if layout == "overlay":
+                        await trio.to_thread.run_sync(self._stand_on_copy, handle, workspace)
+                    else:
+                        await trio.to_thread.run_sync(write_json, handle._dir / "session.json", description)
+                    names = None
+                if meanwhile is not None:
+                    nursery.start_soon(meanwhile, snapshot)
+                if layout == "overlay":
+                    await handle._driver.restack(names, self._lower_layers(description))
         return snapshot
+
+    def _stand_on_copy(self, handle: SessionHandle, workspace: Path) -> None:
+        """Put an overlay workspace's records over the whole copy just made
+        of it, and empty its upper layer."""
+        description = handle._description
+        # The record first: should this process die before the upper layer
+        # is emptied, what is left there is in the copy below too.
+        description["layers"], description["on_template"] = [description["snapshot"]], False
+        write_json(handle._dir / "session.json", description)
+        _empty_upper(workspace, self._snapshots.files_of(description["snapshot"]))
 
     def _store_copy(self, snapshot: Snapshot, sources: list[Path]) -> None:
         """Put a snapshot in the store whose layer is ``sources`` (topmost
@@ -1155,32 +1264,29 @@ class Backend:
                 self._snapshots.abandon(snapshot.id)
                 raise
 
-    def _begin_freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
-        """The first half of an overlay workspace's snapshot: its record in
-        the store's staging area, the session's record saying a snapshot is
+    def _freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
+        """An overlay workspace's snapshot, on the host's side, while no one
+        writes through its upper layer (the holder's overlay, still standing
+        on it, is put on the new stack afterwards): the snapshot's record in
+        the store's staging area; the session's record saying a snapshot is
         under way ("pending_snapshot"), so that a process dying at any point
-        leaves what the next attach finishes or undoes (_settle_snapshot),
-        and the empty upper and work directories the workspace goes on
-        with, beside its upper layer in ``storage``."""
+        leaves what the next attach finishes or undoes (_settle_snapshot);
+        new upper and work directories beside the upper layer in
+        ``storage``; the upper layer into the store (one rename), and the
+        session settled on it."""
         with self._snapshots.locked():
             self._snapshots.begin(snapshot)
             description["pending_snapshot"] = snapshot.id
             write_json(session_dir / "session.json", description)
-            for name in (NEXT_UPPER, NEXT_WORK):
-                remove_tree(storage / name)
-                (storage / name).mkdir(mode=0o700)
-            os.chmod(storage / NEXT_UPPER, stat.S_IMODE(os.stat(storage / "workspace").st_mode))
-
-    def _finish_freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
-        """The second half, once no holder writes through the upper layer
-        any more (a new overlay stands on it, or the holder is gone): the
-        upper layer into the store (one rename), the new directories to
-        their names."""
-        with self._snapshots.locked():
             try:
+                for name in (NEXT_UPPER, NEXT_WORK, OLD_WORK):
+                    remove_tree(storage / name)
+                for name in (NEXT_UPPER, NEXT_WORK):
+                    (storage / name).mkdir(mode=0o700)
+                os.chmod(storage / NEXT_UPPER, stat.S_IMODE(os.stat(storage / "workspace").st_mode))
                 move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
                 self._snapshots.commit(snapshot.id)
-            finally:  # finished, or undone before a holder starts over the layers again
+            finally:  # finished, or undone
                 self._settle_snapshot_locked(session_dir, description, storage)
 
     def _settle_snapshot(self, session_dir: Path, description: dict, storage: Path) -> None:
@@ -1205,8 +1311,12 @@ class Backend:
             remove_tree(upper)
             if (storage / NEXT_UPPER).is_dir():
                 os.rename(storage / NEXT_UPPER, upper)
-                if (storage / NEXT_WORK).is_dir():  # a holder may be working in it: it keeps it, renamed
-                    remove_tree(work)
+                if (storage / NEXT_WORK).is_dir():
+                    # The holder's overlay works in it until it is put on
+                    # the new stack: removed by the next snapshot.
+                    remove_tree(storage / OLD_WORK)
+                    if work.is_dir():
+                        os.rename(work, storage / OLD_WORK)
                     os.rename(storage / NEXT_WORK, work)
             else:
                 _empty_upper(upper, store.files_of(snapshot_id))

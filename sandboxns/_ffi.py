@@ -97,6 +97,14 @@ def open_beneath(dirfd: int, path: str, flags: int, mode: int = 0, *, no_symlink
     return fd
 
 
+def exchange(a: os.PathLike[str], b: os.PathLike[str]) -> None:
+    """Swap the names ``a`` and ``b`` atomically; OSError (EINVAL on a
+    file system that cannot) otherwise."""
+    rc = lib.sbx_exchange(os.fsencode(a), os.fsencode(b))
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc), os.fspath(a), None, os.fspath(b))
+
+
 def set_fs_ids(uid: int, gid: int) -> None:
     """The calling thread's file-system uid and gid (Linux keeps them per
     thread)."""
@@ -173,11 +181,10 @@ def encode_request(cwd: str, argv: Sequence[str], env: Mapping[str, str], rlimit
 
 
 def encode_restack(names: Sequence[str], replace: bool = False) -> bytes:
-    """Pack a restack request (see sbx_proto.h). Without ``replace``: the
-    directories named, in the one that holds the workspace's upper layer,
-    are the upper layer that becomes the topmost read-only one, and the new
-    upper and work directories. With it: the new upper and work
-    directories, then the layers from the holder's layer stores."""
+    """Pack a restack request (see sbx_proto.h): the new upper and work
+    directories, named in the one that holds the workspace's upper layer;
+    with ``replace``, then the layers from the holder's layer stores (else
+    the current upper layer becomes the topmost read-only one)."""
     strings = b"".join(os.fsencode(name) + b"\0" for name in names)
     request = ffi.new("struct sbx_exec_request *")
     request.version = lib.SBX_PROTO_VERSION

@@ -204,7 +204,7 @@ class NativeDriver(HostWorkspaceIO):
         if overlay is not None:
             lowers, scratch = overlay
             self._overlay_work = Path(scratch).resolve()
-            self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
+            self._overlay_lowers = [Path(lower) for lower in lowers]
             if layer_stores is not None:
                 templates, snapshots = layer_stores
                 self._base_argv += [
@@ -240,7 +240,7 @@ class NativeDriver(HostWorkspaceIO):
         argv = [*self._base_argv, f"--workspace={self.workspace}"]
         if self._overlay_work is not None:
             argv.append(f"--overlay-work={self._overlay_work}")
-            argv += [f"--overlay-lower={lower}" for lower in self._overlay_lowers]
+            argv += [f"--overlay-lower={lower.resolve()}" for lower in self._overlay_lowers]
         if policy.shares_host_network:
             argv.append("--share-network")
         if gateway is not None:
@@ -316,44 +316,31 @@ class NativeDriver(HostWorkspaceIO):
                 self._close_stopped()
                 raise
 
-    async def restack(
-        self, names: tuple[str, str, str] | None, move: Callable[[], None], layers: Callable[[], Sequence[Path]]
-    ) -> None:
-        """Give the overlay workspace new read-only layers, for a snapshot,
-        while no command or file operation runs. ``names`` are three
-        directories beside the upper layer: the upper layer itself, which
-        becomes the topmost read-only layer, and a new upper and work
-        directory. The holder mounts the new overlay over /workspace in
-        place (see csrc/overlay.c), and then ``move`` puts the layers where
-        ``layers()`` finds them (in a worker thread). Without ``names`` (a
-        stack replaced whole), or with a holder that cannot (a kernel before
-        6.13, a mount inside /workspace), the holder is stopped instead,
-        ``move`` runs, and a holder starts over ``layers()`` (topmost
-        first), whether ``move`` succeeded or not."""
+    async def restack(self, names: tuple[str, str] | None, layers: Sequence[Path]) -> None:
+        """Put the overlay workspace on new read-only layers, ``layers``
+        (topmost first, on the host), for a snapshot, while no command or
+        file operation runs. The host has moved the upper layer into the
+        store and put a new upper and work directory in its place, ``names``
+        (beside it): the holder mounts a new overlay over /workspace on them,
+        whose topmost read-only layer is the old upper directory (see
+        csrc/overlay.c). Without ``names`` (a stack replaced whole), or with
+        a holder that cannot (a kernel before 6.13, a mount inside
+        /workspace), a new holder starts over the layers instead."""
         self._check_usable()
         if self._overlay_work is None:
             raise invalid_argument("the session's workspace is no overlay")
         with trio.CancelScope(shield=True):  # a session without its holder is no session
             async with self._holder_lock:
                 self._check_usable()
+                self._overlay_lowers = [Path(lower) for lower in layers]
                 if names is not None and self._restackable and await self._restack_in_place(_ffi.encode_restack(names)):
-                    try:
-                        await trio.to_thread.run_sync(move)
-                    except BaseException:
-                        await self._close_broken()
-                        raise
-                    self._overlay_lowers = [Path(lower).resolve() for lower in layers()]
                     return
                 await self._stop_holder()
                 try:
-                    await trio.to_thread.run_sync(move)
-                finally:
-                    try:
-                        self._overlay_lowers = [Path(lower).resolve() for lower in layers()]
-                        await self._launch(self.network, self._gateway)
-                    except BaseException:
-                        self._close_stopped()
-                        raise
+                    await self._launch(self.network, self._gateway)
+                except BaseException:
+                    self._close_stopped()
+                    raise
 
     async def take_layers(self, names: Sequence[str], lowers: Sequence[Path]) -> bool:
         """For a session started ahead with layer stores (see start): mount
@@ -370,7 +357,7 @@ class NativeDriver(HostWorkspaceIO):
                 if not self._restackable or not await self._restack_in_place(_ffi.encode_restack(names, True)):
                     return False
                 self.workspace, self._overlay_work = (self.workspace.parent / name for name in names[:2])
-                self._overlay_lowers = [Path(lower).resolve() for lower in lowers]
+                self._overlay_lowers = [Path(lower) for lower in lowers]
                 return True
 
     async def _restack_in_place(self, request: bytes) -> bool:

@@ -4,6 +4,7 @@ store's durability and its dependencies."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -493,10 +494,88 @@ async def test_forks_from_the_pool_are_whole_sessions_of_the_snapshot(backend):
             [grandchild] = await forks[2].fork(1)
             assert (await sh(grandchild, "cat mine")).stdout == "2\n"
             storage = backend.state_directory / "sessions" / forks[2].session_id
-            assert sorted(p.name for p in storage.iterdir() if p.is_dir()) == ["overlay-work", "workspace"]
+            # (The old overlay's work directory goes with the next snapshot.)
+            assert sorted(p.name for p in storage.iterdir() if p.is_dir()) == [
+                "overlay-work",
+                "overlay-work.old",
+                "workspace",
+            ]
             await grandchild.delete()
         finally:
             for fork in forks:
                 await fork.delete()
     await backend.pool_forks(size=0)  # the pool's refills go
     assert [p.name for p in (backend.state_directory / "sessions").iterdir()] == [origin.session_id]
+
+
+async def test_a_snapshot_cancelled_once_its_layer_is_stored_still_moves_the_session_off_it(backend, monkeypatch):
+    # The host puts the upper layer in the store before the holder goes over
+    # to the new stack: a cancel arriving in between must not leave the
+    # session writing into the snapshot.
+    if backend.name != "native" or not backend._overlay:
+        pytest.skip("an overlay workspace's snapshot")
+    template = await backend.prewarm(template="cancelled", files={"a": b"1\n"})
+    async with await backend.create(template=template.template_key) as origin:
+        await sh(origin, "echo before > b")
+        freeze = type(backend)._freeze
+        with trio.CancelScope() as scope:
+
+            def freeze_then_cancel(self, *args):
+                freeze(self, *args)
+                trio.from_thread.run_sync(scope.cancel)
+
+            monkeypatch.setattr(type(backend), "_freeze", freeze_then_cancel)
+            await origin.snapshot()
+        monkeypatch.undo()
+        await sh(origin, "echo after > b; echo new > c")
+        [snapshot] = await backend.snapshots()
+        async with await backend.create(snapshot=snapshot) as fork:
+            assert (await sh(fork, "ls; cat b")).stdout.split() == ["a", "b", "before"]
+
+
+async def test_pooled_forks_take_the_lifetime_they_are_given(backend):
+    if backend.name != "native" or not backend._overlay:
+        pytest.skip("the fork pool needs the native driver's overlays")
+    template = await backend.prewarm(template="lifetime", files={})
+    await backend.pool_forks(size=1)
+    pooled = {handle.session_id for handle in backend._pools["forks"].ready}
+    async with await backend.create(template=template.template_key) as origin:
+        [fork] = await origin.fork(1, retention=60, destroy_on_close=True, idle_timeout=600)
+        assert fork.session_id in pooled
+        assert (fork.retention, fork.destroy_on_close) == (60, True)
+        stored = json.loads((backend.state_directory / "sessions" / fork.session_id / "session.json").read_text())
+        assert stored["retention"] == 60
+        await fork.aclose()  # destroy_on_close: gone
+        assert not (backend.state_directory / "sessions" / fork.session_id).exists()
+        await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, origin.fork(1, retention=-1))
+    assert len(await backend.snapshots()) == 1  # the refused fork took no snapshot
+
+
+async def test_a_session_not_settled_on_its_stored_snapshot_stops_and_settles_at_the_next_attach(
+    backend, monkeypatch
+):
+    if backend.name != "native" or not backend._overlay:
+        pytest.skip("an overlay workspace's snapshot")
+    settle = type(backend)._settle_snapshot_locked
+
+    def settle_then_fail(self, session_dir, description, storage):
+        settle(self, session_dir, description, storage)
+        raise OSError(errno.EIO, "the record could not be written")
+
+    template = await backend.prewarm(template="unsettled", files={"a": b"1\n"})
+    async with await backend.create(template=template.template_key) as origin:
+        await sh(origin, "echo before > b")
+        monkeypatch.setattr(type(backend), "_settle_snapshot_locked", settle_then_fail)
+        with pytest.raises(OSError):
+            await origin.snapshot()
+        monkeypatch.undo()
+        # Stopped: nothing it runs could write into the stored layer.
+        await refused(ErrorCode.SANDBOX_STOPPED, origin.session.run("true", []))
+    [snapshot] = await backend.snapshots()
+    async with await backend.create(state=origin.capture_state(), template=template.template_key) as resumed:
+        assert (await sh(resumed, "cat b; echo after > b; echo new > c; cat b")).stdout == "before\nafter\n"
+        async with await backend.create(snapshot=snapshot) as fork:
+            assert (await sh(fork, "ls; cat b")).stdout.split() == ["a", "b", "before"]
+        stored = json.loads((backend.state_directory / "sessions" / resumed.session_id / "session.json").read_text())
+        assert stored["layers"][0] == snapshot.id and "pending_snapshot" not in stored
+        await resumed.delete()
