@@ -121,6 +121,8 @@ int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, s
 /* overlay.c */
 void overlay_stack_init(struct overlay_stack *stack);
 void overlay_stack_release(struct overlay_stack *stack);
+/* Sets what every workspace overlay is mounted with on an fsopen() fd. */
+int overlay_set_options(int fs);
 /* A detached overlay mount of the stack's layers under the upper and work
  * directories named in its tree, whose upper directory the stack keeps; -1
  * with errno set (before Linux 6.13 the kernel takes no layer by fd). */

@@ -61,6 +61,18 @@ static int open_in(int dir, const char *name)
     return openat(dir, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 }
 
+/* What every workspace overlay is mounted with. In a user namespace
+ * overlayfs keeps its metadata in user.* xattrs ("userxattr"). A snapshot
+ * mounts a new overlay on the upper directory of one still mounted (which
+ * no one writes through any more), and so does a fork: "index" (on by
+ * default in some kernels' builds) would refuse that. */
+int overlay_set_options(int fs)
+{
+    if (sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0)
+        return -1;
+    return sys_fsconfig(fs, FSCONFIG_SET_STRING, "index", "off", 0);
+}
+
 static int overlay_mount_fds(const int *lowers, int nlowers, int upper, int work)
 {
     int fs = sys_fsopen("overlay", FSOPEN_CLOEXEC), mnt, e;
@@ -72,7 +84,7 @@ static int overlay_mount_fds(const int *lowers, int nlowers, int upper, int work
             goto failed;
     if (sys_fsconfig(fs, FSCONFIG_SET_FD, "upperdir", NULL, upper) < 0 ||
         sys_fsconfig(fs, FSCONFIG_SET_FD, "workdir", NULL, work) < 0 ||
-        sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+        overlay_set_options(fs) < 0 ||
         sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
         goto failed;
     mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, WORKSPACE_ATTRS);

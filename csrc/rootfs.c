@@ -228,10 +228,9 @@ static int overlay_by_fds(const struct holder_config *cfg, struct overlay_stack 
 /* A session made from a template sees the template's files as the lower
  * layer of an overlay whose upper layer is the session's own directory, so
  * creating a session costs the same for ten files or ten thousand; above the
- * template, the snapshots its workspace was forked from. In a user
- * namespace overlayfs keeps its metadata in user.* xattrs ("userxattr"). A
- * failure here is reported as step "overlay", and the host falls back to a
- * copied workspace. */
+ * template, the snapshots its workspace was forked from (mounted with
+ * overlay_set_options). A failure here is reported as step "overlay", and
+ * the host falls back to a copied workspace. */
 static int overlay_workspace(const struct holder_config *cfg, struct plan *plan, struct overlay_stack *stack,
                              struct sbx_report *err)
 {
@@ -270,7 +269,7 @@ static int overlay_workspace(const struct holder_config *cfg, struct plan *plan,
         if (fs < 0)
             return fail(err, "overlay", errno, "cannot create an overlay: %s", strerror(errno));
         if (set_layers(fs, lowers, cfg->noverlay_lowers, upper, work) < 0 ||
-            sys_fsconfig(fs, FSCONFIG_SET_FLAG, "userxattr", NULL, 0) < 0 ||
+            overlay_set_options(fs) < 0 ||
             sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
             int e = errno;
             close(fs);

@@ -6,11 +6,15 @@ credential is ever written here)::
     templates/<key>/files/...       immutable template files (see _templates)
     templates/<key>/template.json
     sessions/<id>/session.json      backend, template, workspace layout,
-                                    retention
+                                    layers, retention (replaced whole by
+                                    exchange with .session.json.spare, see
+                                    write_json)
     sessions/<id>/lease             flock'd by the live owner (see _lease)
     sessions/<id>/workspace/        the session's files; with an overlay,
-                                    only what differs from the template
-    sessions/<id>/overlay-work/     overlayfs scratch space
+                                    only what differs from its layers
+    sessions/<id>/overlay-work/     overlayfs scratch space (and during and
+                                    after a snapshot, the *.next and .old
+                                    directories beside these two)
     snapshots/<id>/...              frozen workspaces (see _snapshots)
 
 A session with a workspace size cap keeps those two directories on an ext4
@@ -72,6 +76,7 @@ from ._snapshots import (
     SnapshotStore,
     check_snapshot_name,
     new_snapshot_id,
+    read_record,
     snapshot_id_of,
     write_json,
 )
@@ -210,18 +215,13 @@ def read_description(state_directory: Path, session_id: str) -> dict:
     nothing in it is used."""
     path = state_directory / "sessions" / session_id / "session.json"
     try:
-        # Never follow a symlink, nor wait on a FIFO, put where it was.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_record(path, MAX_DESCRIPTION_BYTES)
     except FileNotFoundError:
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} in {state_directory}") from None
     except OSError as exc:
         raise _damaged(session_id, f"cannot open it: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _damaged(session_id, "it is not a regular file")
-        data = os.read(fd, MAX_DESCRIPTION_BYTES + 1)
-    finally:
-        os.close(fd)
+    if data is None:
+        raise _damaged(session_id, "it is not a regular file")
     if len(data) > MAX_DESCRIPTION_BYTES:
         raise _damaged(session_id, f"it is larger than {MAX_DESCRIPTION_BYTES} bytes")
     try:
@@ -364,6 +364,14 @@ class SessionHandle:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+    async def _stop_unsettled(self) -> None:
+        """Stop the session and release it, from an operation that holds
+        the lifecycle lock and left the session's files other than its
+        holder sees them; its next attach settles what its record says."""
+        await self._close()
+        self._release()
+        self._closed.set()
 
     def _taken_over(self) -> bool:
         try:
@@ -571,6 +579,36 @@ class SessionHandle:
             self._deleted = True
 
 
+@dataclasses.dataclass
+class _Freezing:
+    """How far the host's half of a snapshot got (see Backend._freeze)."""
+
+    upper_changed: bool = False  # the upper layer began to leave the workspace
+    renamed: bool = False  # it went into the store in one rename
+
+
+async def _together(*jobs: Callable[[], Awaitable[object]] | None) -> list[object]:
+    """Run the ``jobs`` given at once, each to its end, and return their
+    results in order; the first to fail is raised as itself once all have
+    ended, where a nursery would raise an ExceptionGroup."""
+    results: list[object] = [None] * len(jobs)
+    failures: list[Exception] = []
+
+    async def run(index: int, job: Callable[[], Awaitable[object]]) -> None:
+        try:
+            results[index] = await job()
+        except Exception as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for index, job in enumerate(jobs):
+            if job is not None:
+                nursery.start_soon(run, index, job)
+    if failures:
+        raise failures[0]
+    return results
+
+
 @dataclasses.dataclass(frozen=True)
 class _Lifetime:
     """What create() and fork() take about a new session's end."""
@@ -721,9 +759,7 @@ class Backend:
         if snapshot is not None:
             if template is not None or workspace is not None or state is not None:
                 raise invalid_argument("give snapshot= alone: its session's workspace starts as the snapshot")
-            if not isinstance(snapshot, Snapshot):
-                snapshot = snapshot_id_of(snapshot)
-            handle = await self._create_from_snapshot(snapshot, policy, extra, confinement)
+            handle = await self._create_from_snapshot(snapshot_id_of(snapshot), policy, extra, confinement)
         elif state is not None:
             handle = await self._resume(state, template, workspace, policy)
         elif workspace is not None:
@@ -785,25 +821,20 @@ class Backend:
         return await self._attach(session_dir, description, confinement, policy, new=True, layer_stores=layer_stores)
 
     async def _create_from_snapshot(
-        self,
-        snapshot: Snapshot | str,
-        policy: NetworkPolicy,
-        mounts: tuple[Mount, ...],
-        confinement: Confinement,
+        self, snapshot_id: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
     ) -> SessionHandle:
-        """A new session over a snapshot (given whole, or by its id): an
-        empty upper layer over its layers, or (without an overlay) a copy of
-        it. The session's record is written under the store's lock, so the
-        snapshot cannot be deleted from under it."""
+        """A new session over a snapshot: an empty upper layer over its
+        layers, or (without an overlay) a copy of it. The session's record
+        is written under the store's lock, so the snapshot cannot be deleted
+        from under it (one from the fork pool may have mounted the layers by
+        then; it is deleted if the snapshot is gone)."""
         layout = "overlay" if self._overlay else "copy"
         pool = self._pools.get(FORK_POOL)
         if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT and self._overlay:
-            if isinstance(snapshot, str):
-                snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot)
+            snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot_id)
             handed_out = await self._hand_out_forks(snapshot, 1, policy)
             if handed_out:
                 return handed_out[0]
-        snapshot_id = snapshot if isinstance(snapshot, str) else snapshot.id
 
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
@@ -855,10 +886,9 @@ class Backend:
                 raise
             await handle.delete()
 
+        handles = [pool.ready.popleft() for _ in range(min(n, len(pool.ready)))]
         try:
-            async with service_nursery() as nursery:
-                for _ in range(min(n, len(pool.ready))):
-                    nursery.start_soon(hand_out, pool.ready.popleft())
+            await _together(*(functools.partial(hand_out, handle) for handle in handles))
         except BaseException:
             with trio.CancelScope(shield=True):
                 for handle in taken:
@@ -902,11 +932,13 @@ class Backend:
         layers = [f"s/{layer}" for layer in snapshot.layers] + (
             [f"t/{snapshot.template}"] if snapshot.on_template else []
         )
-        async with service_nursery() as nursery:
-            nursery.start_soon(functools.partial(trio.to_thread.run_sync, record))
-            return await handle._driver.take_layers(
-                ["workspace", "overlay-work", *layers], self._lower_layers(description)
-            )
+        _, taken = await _together(
+            functools.partial(trio.to_thread.run_sync, record),
+            functools.partial(
+                handle._driver.take_layers, ["workspace", "overlay-work", *layers], self._lower_layers(description)
+            ),
+        )
+        return taken
 
     async def _create_bound(
         self,
@@ -1203,26 +1235,19 @@ class Backend:
             "backend": self.name,
             "template": description["template"],
         }
-        async with service_nursery() as nursery:
-            # Once a holder's overlay stands on a layer of the store, it must
-            # be put on the new stack, whatever happens.
-            with trio.CancelScope(shield=True):
+        freezing = _Freezing()
+        # Once the upper layer under the holder's overlay has changed (moved
+        # into the store, or emptied over a copy), the holder must go over
+        # to the new stack, whatever happens: so this is shielded, and the
+        # session is stopped should it fail before, for its next attach to
+        # settle what its record says.
+        with trio.CancelScope(shield=True):
+            try:
                 if layout == "overlay" and len(layers) + 1 + on_template <= MAX_STACK_DEPTH:
                     snapshot = Snapshot(**known, layers=(snapshot_id, *layers), on_template=on_template)
-                    try:
-                        await trio.to_thread.run_sync(
-                            self._freeze, handle._dir, description, workspace.parent, snapshot
-                        )
-                    except BaseException:
-                        if self._snapshots.exists(snapshot_id):
-                            # Its layer is in the store, but the session is
-                            # not settled on it: no holder may go on writing
-                            # there. The next attach settles it.
-                            await handle._close()
-                        raise
-                    # A capped workspace's upper layer was copied off its
-                    # image: no holder may go on over the emptied directory.
-                    names = None if confinement.workspace_size is not None else (workspace.name, "overlay-work")
+                    await trio.to_thread.run_sync(
+                        self._freeze, handle._dir, description, workspace.parent, snapshot, freezing
+                    )
                 else:
                     # A whole copy: of a copied or bound workspace, or of a
                     # stack grown too deep, which then stands on the copy alone.
@@ -1231,14 +1256,21 @@ class Backend:
                     await trio.to_thread.run_sync(self._store_copy, snapshot, sources)
                     description["snapshot"] = snapshot_id
                     if layout == "overlay":
+                        freezing.upper_changed = True
                         await trio.to_thread.run_sync(self._stand_on_copy, handle, workspace)
                     else:
                         await trio.to_thread.run_sync(write_json, handle._dir / "session.json", description)
-                    names = None
-                if meanwhile is not None:
-                    nursery.start_soon(meanwhile, snapshot)
+                restack = None
                 if layout == "overlay":
-                    await handle._driver.restack(names, self._lower_layers(description))
+                    # In place only where the holder's handle on the upper
+                    # layer is the layer now in the store: renamed there.
+                    names = (workspace.name, "overlay-work") if freezing.renamed else None
+                    restack = functools.partial(handle._driver.restack, names, self._lower_layers(description))
+            except BaseException:
+                if freezing.upper_changed:
+                    await handle._stop_unsettled()
+                raise
+            await _together(restack, meanwhile and functools.partial(meanwhile, snapshot))
         return snapshot
 
     def _stand_on_copy(self, handle: SessionHandle, workspace: Path) -> None:
@@ -1264,7 +1296,9 @@ class Backend:
                 self._snapshots.abandon(snapshot.id)
                 raise
 
-    def _freeze(self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot) -> None:
+    def _freeze(
+        self, session_dir: Path, description: dict, storage: Path, snapshot: Snapshot, freezing: _Freezing
+    ) -> None:
         """An overlay workspace's snapshot, on the host's side, while no one
         writes through its upper layer (the holder's overlay, still standing
         on it, is put on the new stack afterwards): the snapshot's record in
@@ -1273,18 +1307,19 @@ class Backend:
         leaves what the next attach finishes or undoes (_settle_snapshot);
         new upper and work directories beside the upper layer in
         ``storage``; the upper layer into the store (one rename), and the
-        session settled on it."""
+        session settled on it. ``freezing`` says how far it got."""
         with self._snapshots.locked():
             self._snapshots.begin(snapshot)
-            description["pending_snapshot"] = snapshot.id
-            write_json(session_dir / "session.json", description)
             try:
+                description["pending_snapshot"] = snapshot.id
+                write_json(session_dir / "session.json", description)
                 for name in (NEXT_UPPER, NEXT_WORK, OLD_WORK):
                     remove_tree(storage / name)
                 for name in (NEXT_UPPER, NEXT_WORK):
                     (storage / name).mkdir(mode=0o700)
                 os.chmod(storage / NEXT_UPPER, stat.S_IMODE(os.stat(storage / "workspace").st_mode))
-                move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
+                freezing.upper_changed = True
+                freezing.renamed = move_tree(storage / "workspace", self._snapshots.staging(snapshot.id) / "files")
                 self._snapshots.commit(snapshot.id)
             finally:  # finished, or undone
                 self._settle_snapshot_locked(session_dir, description, storage)

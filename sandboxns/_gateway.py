@@ -997,10 +997,9 @@ class SessionNetwork:
 
 @contextlib.asynccontextmanager
 async def service_nursery() -> AsyncIterator[trio.Nursery]:
-    """A nursery (for gateways, or work done alongside) that runs around a
-    caller's block. A single failure, the block's or a task's, comes out as
-    itself, not wrapped in an ExceptionGroup, as callers of open_sandbox(),
-    open_backend() and the snapshot API expect."""
+    """A nursery for gateways that runs around a caller's block. Whatever the
+    block raises comes out as itself, not wrapped in an ExceptionGroup, as
+    callers of open_sandbox() and open_backend() expect."""
     try:
         async with trio.open_nursery() as nursery:
             yield nursery

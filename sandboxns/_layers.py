@@ -219,14 +219,15 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def move_tree(source: Path, target: Path) -> None:
+def move_tree(source: Path, target: Path) -> bool:
     """Move ``source`` to ``target`` (which must not exist): one rename on
-    one file system; across file systems (a capped workspace lives on its
-    own image) a copy, put in place whole, after which ``source`` is
-    emptied. Either way ``target``, once it exists, holds all of it."""
+    one file system (True); across file systems (a capped workspace lives
+    on its own image) a copy, put in place whole, after which ``source`` is
+    emptied (False). Either way ``target``, once it exists, holds all of
+    it."""
     try:
         os.rename(source, target)
-        return
+        return True
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
@@ -237,6 +238,7 @@ def move_tree(source: Path, target: Path) -> None:
     os.rename(partial, target)
     for entry in os.listdir(source):
         remove_tree(source / entry)
+    return False
 
 
 def remove_tree(path: Path) -> None:

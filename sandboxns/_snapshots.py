@@ -4,7 +4,9 @@ own over it.
 
 Layout, beside sessions/ and templates/ in the state directory::
 
-    snapshots/<id>/snapshot.json    the record (see Snapshot)
+    snapshots/<id>/snapshot.json    the record (see Snapshot; replaced
+                                    by exchange with .snapshot.json.spare
+                                    once measured, see write_json)
     snapshots/<id>/files/           its layer
     snapshots/lock                  flock'd while a snapshot is taken,
                                     deleted, or a session made from one
@@ -234,13 +236,9 @@ class SnapshotStore:
     def read(self, snapshot_id: str) -> Snapshot:
         path = self.root / snapshot_id / "snapshot.json"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            data = read_record(path, MAX_RECORD_BYTES) or b""
         except FileNotFoundError:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no snapshot {snapshot_id} in {self.root.parent}") from None
-        try:
-            data = os.read(fd, MAX_RECORD_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-        finally:
-            os.close(fd)
         try:
             record = json.loads(data)
         except ValueError:
@@ -276,7 +274,9 @@ class SnapshotStore:
         if snapshot.bytes is not None:
             return snapshot
         measured = dataclasses.replace(snapshot, bytes=tree_bytes(self.files_of(snapshot.id)))
-        write_json(self.root / snapshot.id / "snapshot.json", measured.to_dict())
+        with self.locked():  # one writer at a time (see write_json), and not once deleted
+            if self.exists(snapshot.id):
+                write_json(self.root / snapshot.id / "snapshot.json", measured.to_dict())
         return measured
 
     def delete(self, snapshot_id: str, users: Mapping[str, list[str]]) -> None:
@@ -329,27 +329,48 @@ def _ids_in(root: Path) -> list[str]:
 
 
 def write_json(path: Path, value: dict) -> None:
-    """Replace a record whole: a reader finds the old one or the new one.
-    The new one is written to a spare file beside it, which is then
-    exchanged with it (the old record is the next spare), so that replacing
-    a record creates and deletes no file (see sbx_exchange); a new record,
-    or one on a file system that cannot exchange, is renamed into place.
-    On one line: json's C encoder does no indenting, and a snapshot writes
-    records on its critical path."""
+    """Replace a record whole: a reader (see read_record) finds the old one
+    or the new one. The new one is written to a spare file beside it, which
+    is then exchanged with it (the old record is the next spare), so that
+    replacing a record creates and deletes no file (see sbx_exchange); a
+    new record, or one on a file system that cannot exchange, is renamed
+    into place. The spare is written under an exclusive flock, and readers
+    read under a shared one: one still reading a record that has become the
+    spare holds up the next write to it. One writer at a time (a session's
+    owner, or the store's lock). On one line: json's C encoder does no
+    indenting, and a snapshot writes records on its critical path. As
+    nothing here is fsync'd, a power cut may leave a record unreadable
+    (then reported, never used)."""
     data = json.dumps(value).encode()
     spare = path.with_name(f".{path.name}.spare")
     fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         # Not O_TRUNC: ext4 flushes a file truncated to nothing as it is closed.
         written = 0
         while written < len(data):
             written += os.pwrite(fd, data[written:], written)
         os.ftruncate(fd, len(data))
+        try:
+            exchange(spare, path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EINVAL):  # no record yet; no exchange here
+                raise
+            os.rename(spare, path)
     finally:
         os.close(fd)
+
+
+def read_record(path: Path, max_bytes: int) -> bytes | None:
+    """A record's bytes (up to ``max_bytes`` + 1, so that a larger one shows),
+    read under a shared flock (see write_json); None if it is no regular
+    file. Never follows a symlink, nor waits on a FIFO, put in its place.
+    FileNotFoundError if there is none."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        exchange(spare, path)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.EINVAL):  # no record yet; no exchange here
-            raise
-        os.rename(spare, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)

@@ -18,6 +18,7 @@ import trio.testing
 from conftest import refused
 
 import sandboxns
+import sandboxns._backend
 from sandboxns import ErrorCode, Snapshot
 from sandboxns._snapshots import MAX_STACK_DEPTH
 
@@ -563,14 +564,15 @@ async def test_a_session_not_settled_on_its_stored_snapshot_stops_and_settles_at
         raise OSError(errno.EIO, "the record could not be written")
 
     template = await backend.prewarm(template="unsettled", files={"a": b"1\n"})
-    async with await backend.create(template=template.template_key) as origin:
-        await sh(origin, "echo before > b")
-        monkeypatch.setattr(type(backend), "_settle_snapshot_locked", settle_then_fail)
-        with pytest.raises(OSError):
-            await origin.snapshot()
-        monkeypatch.undo()
-        # Stopped: nothing it runs could write into the stored layer.
-        await refused(ErrorCode.SANDBOX_STOPPED, origin.session.run("true", []))
+    origin = await backend.create(template=template.template_key)
+    await sh(origin, "echo before > b")
+    monkeypatch.setattr(type(backend), "_settle_snapshot_locked", settle_then_fail)
+    with pytest.raises(OSError):
+        await origin.snapshot()
+    monkeypatch.undo()
+    # Stopped and released: nothing it runs could write into the stored layer.
+    await refused(ErrorCode.SANDBOX_STOPPED, origin.session.run("true", []))
+    await origin.wait_closed()
     [snapshot] = await backend.snapshots()
     async with await backend.create(state=origin.capture_state(), template=template.template_key) as resumed:
         assert (await sh(resumed, "cat b; echo after > b; echo new > c; cat b")).stdout == "before\nafter\n"
@@ -578,4 +580,29 @@ async def test_a_session_not_settled_on_its_stored_snapshot_stops_and_settles_at
             assert (await sh(fork, "ls; cat b")).stdout.split() == ["a", "b", "before"]
         stored = json.loads((backend.state_directory / "sessions" / resumed.session_id / "session.json").read_text())
         assert stored["layers"][0] == snapshot.id and "pending_snapshot" not in stored
+        await resumed.delete()
+
+
+async def test_a_flattening_snapshot_that_fails_over_its_copy_stops_the_session(backend, monkeypatch):
+    if backend.name != "native" or not backend._overlay:
+        pytest.skip("an overlay workspace's stack")
+    monkeypatch.setattr(sandboxns._backend, "MAX_STACK_DEPTH", 2)  # the second snapshot flattens
+    empty = sandboxns._backend._empty_upper
+
+    def empty_then_fail(upper, layer):
+        empty(upper, layer)
+        raise OSError(errno.EIO, "the upper layer could not be made again")
+
+    template = await backend.prewarm(template="flatten-fails", files={"a": b"1\n"})
+    origin = await backend.create(template=template.template_key)
+    await sh(origin, "echo one > b")
+    await origin.snapshot()
+    await sh(origin, "echo two > c")
+    monkeypatch.setattr(sandboxns._backend, "_empty_upper", empty_then_fail)
+    with pytest.raises(OSError):
+        await origin.snapshot()
+    monkeypatch.setattr(sandboxns._backend, "_empty_upper", empty)
+    await refused(ErrorCode.SANDBOX_STOPPED, origin.session.run("true", []))
+    async with await backend.create(state=origin.capture_state(), template=template.template_key) as resumed:
+        assert (await sh(resumed, "ls; cat b c")).stdout.split() == ["a", "b", "c", "one", "two"]
         await resumed.delete()
