@@ -39,6 +39,10 @@ class SandboxError(Exception):
         self.code = ErrorCode(code)
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        # Pickled whole (for another process: a Ray actor's caller, say).
+        return (type(self), (self.code, self.message))
+
 
 def invalid_argument(message: str) -> SandboxError:
     """The SANDBOX_INVALID_ARGUMENT refusal, the most common one."""

@@ -3,6 +3,7 @@ whole program (```py marks a fragment)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,8 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if 
 @pytest.mark.skipif(not EXAMPLES, reason="README.md is not next to the tests")
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_readme_example_runs(index, tmp_path):
+    if "import ray" in EXAMPLES[index] and not os.environ.get("SANDBOXNS_REQUIRE_RAY"):
+        pytest.importorskip("ray")  # the example of sandboxns.ray needs its extra
     result = subprocess.run(
         [sys.executable, "-c", EXAMPLES[index]], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60
     )

@@ -1,0 +1,491 @@
+"""Sessions across a Ray cluster: one backend per node, sessions placed on
+the least loaded.
+
+Install with ``pip install 'sandboxns[ray]'``. Each Ray node that declares
+the custom resource ``sandboxns`` (``ray start --resources
+'{"sandboxns": 1}'``) gets one actor, pinned to it, which owns an ordinary
+backend (:func:`sandboxns.open_backend`) over that node's own state
+directory. :func:`open_cluster` finds those nodes (and those that join
+later) and places each new session on the one with the fewest commands
+running, then the fewest sessions; a :class:`RemoteSessionHandle` then
+reaches its session through its node's actor, with the surface of a local
+handle.
+
+Nothing here is a cluster manager: Ray schedules the actors, and reports a
+node that is gone; its sessions' calls then fail with SANDBOX_UNAVAILABLE
+naming the node, and new sessions go elsewhere.
+
+The actor runs trio in a thread of its own (as :mod:`sandboxns.blocking`
+does) and serves calls from a few threads of Ray's. Calls from trio code
+await Ray's answer without blocking the event loop.
+
+Credentials: a network policy's header values travel in the arguments of
+the call that applies them, to that node's actor alone. Ray passes small
+arguments (under its 100 KiB ``max_direct_call_object_size``) inline in the
+task message, never through its object store, so they are never spilled to
+disk; they are not kept with the actor's constructor arguments (which Ray
+stores to restart an actor), and no error message here includes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+import ray
+import trio
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, open_backend
+from ._errors import ErrorCode, SandboxError, invalid_argument
+from ._files import DirEntry
+from ._session import RunResult
+from ._snapshots import Snapshot
+from ._templates import Template
+from .blocking import _Portal
+
+__all__ = ["RESOURCE", "Cluster", "RemoteSession", "RemoteSessionHandle", "open_cluster"]
+
+# The custom resource a node declares to host sandboxes; each node's actor
+# takes all of one, so a node has one backend.
+RESOURCE = "sandboxns"
+# How often, at most, a placement looks for nodes that joined or left.
+NODE_REFRESH_SECONDS = 1.0
+# Threads serving one actor's calls at once: its commands, file operations
+# and lifecycle calls (Ray starts them all up front).
+ACTOR_CONCURRENCY = 32
+# What a session's remote handle may call on the actor.
+_SESSION_CALLS = frozenset(
+    {
+        "run",
+        "read_file",
+        "read_text_file",
+        "write_file",
+        "write_text_file",
+        "list_dir",
+        "remove",
+        "mkdir",
+        "set_network_policy",
+    }
+)
+_ENDING_CALLS = frozenset({"stop", "shutdown", "delete"})
+_HANDLE_CALLS = _ENDING_CALLS | {"snapshot"}
+
+
+class NodeBackend:
+    """The actor on one node: a backend over the node's state directory,
+    served from a trio thread, and the sessions it made, by id."""
+
+    def __init__(self, state_directory: str, driver: str, max_concurrent_commands: int) -> None:
+        self.node_id = ray.get_runtime_context().get_node_id()
+        options = {
+            "driver": driver,
+            "state_directory": state_directory.replace("{node_id}", self.node_id),
+            "max_concurrent_commands": max_concurrent_commands,
+        }
+        self._portal = _Portal(lambda: open_backend(**options))
+        self._backend = self._portal.value
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def describe(self) -> tuple[str, int]:
+        return self.node_id, os.getpid()
+
+    def load(self) -> tuple[int, int, int]:
+        """(commands running, sessions live, the admission limit)."""
+        with self._lock:
+            live = sum(1 for handle in self._handles.values() if handle.live)
+        return self._backend.active_commands, live, self._backend.max_concurrent_commands
+
+    def prewarm(self, template: str, files: Mapping[str, bytes]) -> Template:
+        return self._portal.call(self._backend.prewarm, template=template, files=files)
+
+    def pool(self, template: str, size: int) -> None:
+        self._portal.call(self._backend.pool, template=template, size=size)
+
+    def create(self, options: Mapping[str, Any]) -> dict:
+        handle = self._portal.call(self._backend.create, **options)
+        with self._lock:
+            self._handles[handle.session_id] = handle
+        return self._describe(handle)
+
+    def fork(self, session_id: str, n: int, options: Mapping[str, Any]) -> list[dict]:
+        forks = self._portal.call(self._handle(session_id).fork, n, **options)
+        with self._lock:
+            for handle in forks:
+                self._handles[handle.session_id] = handle
+        return [self._describe(handle) for handle in forks]
+
+    def session_call(self, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if name not in _SESSION_CALLS:
+            raise invalid_argument(f"{name!r} is not a session call")
+        return self._portal.call(getattr(self._handle(session_id).session, name), *args, **kwargs)
+
+    def handle_call(self, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if name not in _HANDLE_CALLS:
+            raise invalid_argument(f"{name!r} is not a handle call")
+        if name in _ENDING_CALLS:
+            with self._lock:
+                if session_id not in self._handles:
+                    return None  # deleted already: as idempotent as a local handle's
+        handle = self._handle(session_id)
+        result = self._portal.call(getattr(handle, name), *args, **kwargs)
+        if name == "delete":
+            with self._lock:
+                self._handles.pop(session_id, None)
+        return result
+
+    def close(self) -> None:
+        self._portal.close()
+
+    def _handle(self, session_id: str) -> Any:
+        with self._lock:
+            handle = self._handles.get(session_id)
+        if handle is None:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} on node {self.node_id}")
+        return handle
+
+    def _describe(self, handle: Any) -> dict:
+        return {"state": handle.capture_state(), "template": handle.template_key}
+
+
+@dataclasses.dataclass
+class _Node:
+    node_id: str
+    actor: Any
+    alive: bool = True
+
+
+async def _resolve(ref: ray.ObjectRef) -> Any:
+    """Await a Ray result from trio: Ray calls back from one of its threads
+    once the result is in, and the event loop is woken for it."""
+    token = trio.lowlevel.current_trio_token()
+    future = ref.future()
+    done = trio.Event()
+
+    def wake(_: object) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    future.add_done_callback(wake)
+    await done.wait()
+    return future.result()
+
+
+class Cluster:
+    """The sandboxns backends of a Ray cluster's nodes. Use
+    :func:`open_cluster`; close it with :meth:`aclose` (or ``async with``)."""
+
+    def __init__(
+        self,
+        state_directory: str,
+        driver: str,
+        max_concurrent_commands: int,
+        nodes: Sequence[str] | None,
+    ) -> None:
+        self.state_directory = state_directory
+        self.driver = driver
+        self.max_concurrent_commands = max_concurrent_commands
+        self._wanted = None if nodes is None else frozenset(nodes)
+        self._nodes: dict[str, _Node] = {}
+        self._refreshed = -float("inf")
+        self._closed = False
+        self._actor_class = ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The ids of the nodes whose backends are reachable, as last seen."""
+        return [node.node_id for node in self._nodes.values() if node.alive]
+
+    async def refresh(self) -> None:
+        """Start a backend on each node that declares the resource and has
+        none yet (nodes join a cluster at any time), and forget those Ray
+        reports gone."""
+        self._check_open()
+        self._refreshed = time.monotonic()
+        listed = await trio.to_thread.run_sync(ray.nodes)
+        started = []
+        for entry in listed:
+            node_id = entry["NodeID"]
+            wanted = self._wanted is None or node_id in self._wanted
+            if not entry["Alive"]:
+                if node_id in self._nodes:
+                    self._nodes[node_id].alive = False
+            elif wanted and entry["Resources"].get(RESOURCE, 0) >= 1 and node_id not in self._nodes:
+                actor = self._actor_class.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    resources={RESOURCE: 1},
+                ).remote(self.state_directory, self.driver, self.max_concurrent_commands)
+                self._nodes[node_id] = _Node(node_id, actor)
+                started.append(node_id)
+        # A new backend is ready once it answers; one that fails to start
+        # (its node left meanwhile) is marked gone.
+        async with trio.open_nursery() as nursery:
+            for node_id in started:
+                nursery.start_soon(self._call_quietly, node_id, "describe")
+
+    async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
+        """:meth:`Backend.prewarm` on every node (the key is the same on
+        each, so a session of it can be made anywhere)."""
+        await self._refresh_if_due()
+        results = await self._on_every_node("prewarm", template, dict(files))
+        keys = {result.template_key for result in results.values()}
+        if len(keys) != 1:
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"nodes made different templates: {sorted(keys)}")
+        return next(iter(results.values()))
+
+    async def pool(self, *, template: str, size_per_node: int) -> None:
+        """:meth:`Backend.pool` on every node."""
+        await self._refresh_if_due()
+        await self._on_every_node("pool", template, size_per_node)
+
+    async def create(self, *, node: str | None = None, state: Mapping | None = None, **options: Any) -> RemoteSessionHandle:
+        """:meth:`Backend.create` on a node: ``node`` if given, the node a
+        ``state`` names (a session is resumed where its files are), or the
+        least loaded (fewest commands running, then fewest sessions). When
+        every node runs as many commands as its admission limit allows, this
+        is SANDBOX_BUSY: nothing is queued."""
+        await self._refresh_if_due()
+        if state is not None:
+            if not isinstance(state, Mapping) or not isinstance(state.get("node"), str):
+                raise invalid_argument("state is not a remote session's descriptor (see capture_state())")
+            if node is not None and node != state["node"]:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_STATE_MISMATCH, f"session {state.get('session')} lives on node {state['node']}"
+                )
+            node = state["node"]
+            options["state"] = {key: value for key, value in state.items() if key != "node"}
+        if node is None:
+            node = await self._least_loaded()
+        elif node not in self._nodes or not self._nodes[node].alive:
+            code = ErrorCode.SANDBOX_STATE_MISMATCH if state is not None else ErrorCode.SANDBOX_NOT_FOUND
+            raise SandboxError(code, f"node {node} has no sandboxns backend in this cluster")
+        described = await self._call(node, "create", options)
+        return RemoteSessionHandle(self, node, described)
+
+    async def aclose(self) -> None:
+        """Shut every node's backend down (their sessions stop; their files
+        stay) and end the actors."""
+        if self._closed:
+            return
+        self._closed = True
+        async with trio.open_nursery() as nursery:
+            for node in self._nodes.values():
+                if node.alive:
+                    nursery.start_soon(self._close_node, node)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _close_node(self, node: _Node) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                await self._call(node.node_id, "close")
+            except SandboxError:
+                pass  # gone already
+            ray.kill(node.actor)
+
+    async def _least_loaded(self) -> str:
+        loads: dict[str, tuple[int, int, int]] = {}
+
+        async def ask(node_id: str) -> None:
+            load = await self._call_quietly(node_id, "load")
+            if load is not None:
+                loads[node_id] = load
+
+        async with trio.open_nursery() as nursery:
+            for node_id in self.nodes:
+                nursery.start_soon(ask, node_id)
+        if not loads:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "no node of this Ray cluster runs a sandboxns backend")
+        open_nodes = {node_id: load for node_id, load in loads.items() if load[0] < load[2]}
+        if not open_nodes:
+            raise SandboxError(
+                ErrorCode.SANDBOX_BUSY,
+                f"every node runs as many commands as it admits ({len(loads)} nodes); try again later",
+            )
+        return min(open_nodes, key=lambda node_id: (open_nodes[node_id][:2], node_id))
+
+    async def _on_every_node(self, method: str, *args: Any) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        failures: list[SandboxError] = []
+
+        async def one(node_id: str) -> None:
+            try:
+                results[node_id] = await self._call(node_id, method, *args)
+            except SandboxError as exc:
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for node_id in self.nodes:
+                nursery.start_soon(one, node_id)
+        if failures:
+            raise failures[0]
+        if not results:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "no node of this Ray cluster runs a sandboxns backend")
+        return results
+
+    async def _refresh_if_due(self) -> None:
+        self._check_open()
+        if time.monotonic() - self._refreshed >= NODE_REFRESH_SECONDS:
+            await self.refresh()
+
+    async def _call_quietly(self, node_id: str, method: str, *args: Any) -> Any:
+        """The call's result, or None if the node is gone (it is marked so)."""
+        try:
+            return await self._call(node_id, method, *args)
+        except SandboxError as exc:
+            if exc.code is not ErrorCode.SANDBOX_UNAVAILABLE:
+                raise
+            return None
+
+    async def _call(self, node_id: str, method: str, *args: Any) -> Any:
+        """A method of a node's actor. Errors come back as the
+        SandboxError the actor raised; a node that is gone (its actor
+        dead, or unreachable) is SANDBOX_UNAVAILABLE naming it."""
+        node = self._nodes.get(node_id)
+        if node is None or not node.alive:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"node {node_id} is gone from the Ray cluster")
+        try:
+            return await _resolve(getattr(node.actor, method).remote(*args))
+        except ray.exceptions.RayActorError as exc:
+            node.alive = False
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE, f"node {node_id} is gone from the Ray cluster ({type(exc).__name__})"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, SandboxError):
+                raise SandboxError(cause.code, cause.message) from None
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the cluster is closed")
+
+
+class RemoteSession:
+    """A session on another node: the methods of a :class:`Session` that
+    cross a network well (commands, file operations, the network policy)."""
+
+    def __init__(self, handle: RemoteSessionHandle) -> None:
+        self._handle = handle
+
+    async def run(self, executable: str, args: Sequence[str] = (), **options: Any) -> RunResult:
+        return await self._call("run", executable, list(args), **options)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._call("read_file", path)
+
+    async def read_text_file(self, path: str) -> str:
+        return await self._call("read_text_file", path)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await self._call("write_file", path, data)
+
+    async def write_text_file(self, path: str, text: str) -> None:
+        await self._call("write_text_file", path, text)
+
+    async def list_dir(self, path: str = ".") -> list[DirEntry]:
+        return await self._call("list_dir", path)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._call("remove", path, recursive=recursive)
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> None:
+        await self._call("mkdir", path, parents=parents)
+
+    async def set_network_policy(self, policy: object) -> None:
+        await self._call("set_network_policy", policy)
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        handle = self._handle
+        return await handle._cluster._call(handle.node, "session_call", handle.session_id, name, args, kwargs)
+
+
+class RemoteSessionHandle:
+    """A session on a node of the cluster: the surface of a local
+    :class:`~sandboxns.SessionHandle`, its calls made through the node's
+    actor. ``node`` is the Ray node id; ``capture_state()`` names it, and
+    only that node resumes the session."""
+
+    def __init__(self, cluster: Cluster, node: str, described: Mapping[str, Any]) -> None:
+        self._cluster = cluster
+        self.node = node
+        self._state = dict(described["state"])
+        self.session_id: str = self._state["session"]
+        self.template_key: str | None = described["template"]
+        self.session = RemoteSession(self)
+
+    def capture_state(self) -> dict:
+        """What ``Cluster.create(state=...)`` resumes the session from (on
+        its node): the local descriptor and the node's id."""
+        return {**self._state, "node": self.node}
+
+    async def stop(self) -> None:
+        await self._call("stop")
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown")
+
+    async def delete(self) -> None:
+        await self._call("delete")
+
+    async def aclose(self) -> None:
+        await self.shutdown()
+
+    async def snapshot(self, name: str | None = None, *, copy: bool = False) -> Snapshot:
+        """A snapshot on this session's node (see SessionHandle.snapshot)."""
+        return await self._call("snapshot", name, copy=copy)
+
+    async def fork(self, n: int, **options: Any) -> list[RemoteSessionHandle]:
+        """Forks on this session's node (see SessionHandle.fork)."""
+        described = await self._cluster._call(self.node, "fork", self.session_id, n, options)
+        return [RemoteSessionHandle(self._cluster, self.node, one) for one in described]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return await self._cluster._call(self.node, "handle_call", self.session_id, name, args, kwargs)
+
+
+async def open_cluster(
+    *,
+    state_directory: str | os.PathLike[str],
+    driver: str = "native",
+    max_concurrent_commands: int = DEFAULT_MAX_CONCURRENT_COMMANDS,
+    nodes: Sequence[str] | None = None,
+) -> Cluster:
+    """A :class:`Cluster` of the connected Ray cluster's nodes that declare
+    the ``sandboxns`` resource (or of ``nodes``, by id): a backend on each,
+    over ``state_directory`` on that node (where ``{node_id}`` in it is the
+    node's id: for several nodes on one machine), with its own admission
+    limit. ``ray.init()`` first."""
+    if not ray.is_initialized():
+        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "Ray is not initialized here: call ray.init() first")
+    if isinstance(max_concurrent_commands, bool) or not isinstance(max_concurrent_commands, int):
+        raise invalid_argument(f"max_concurrent_commands must be an integer, not {max_concurrent_commands!r}")
+    if nodes is not None and (isinstance(nodes, str) or not all(isinstance(node, str) for node in nodes)):
+        raise invalid_argument("nodes must be a list of Ray node ids")
+    cluster = Cluster(os.fspath(state_directory), driver, max_concurrent_commands, nodes)
+    await cluster.refresh()
+    if not cluster.nodes:
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE,
+            f"no node of this Ray cluster declares the resource {RESOURCE!r} "
+            f"(ray start --resources '{{\"{RESOURCE}\": 1}}')",
+        )
+    return cluster

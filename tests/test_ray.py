@@ -1,0 +1,256 @@
+"""sandboxns.ray on a real local Ray cluster of three nodes (each a raylet of
+its own, declaring the sandboxns resource), on this one machine: placement,
+admission per node, templates on every node, resuming where the files are,
+a node that dies mid-run, and credentials kept out of Ray's files.
+
+Run when ray is installed; CI installs it (SANDBOXNS_REQUIRE_RAY=1 makes a
+missing ray fail instead of skip)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import refused
+
+from sandboxns import ErrorCode
+
+if os.environ.get("SANDBOXNS_REQUIRE_RAY"):
+    import ray
+else:
+    ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import sandboxns.ray  # noqa: E402
+
+# A node that dies is noticed within about half a second.
+FAST_FAILURE_DETECTION = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 200,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+NODE = {"num_cpus": 1, "resources": {sandboxns.ray.RESOURCE: 1}}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Three nodes (the head and two workers); Ray's own files in a
+    directory of their own (short: Ray's Unix sockets are in it)."""
+    ray_files = Path(tempfile.mkdtemp(prefix="sbxray-", dir="/tmp"))
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(ray_files)
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**NODE, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION},
+        )
+        try:
+            workers = [cluster.add_node(**NODE) for _ in range(2)]
+            cluster.wait_for_nodes()
+            # Ray puts the driver's working directory on its workers' paths:
+            # here that is this checkout, whose sandboxns is not built.
+            with contextlib.chdir(ray_files):
+                ray.init(address=cluster.address)
+            yield cluster, workers, ray_files
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+        shutil.rmtree(ray_files, ignore_errors=True)
+
+
+@pytest.fixture
+async def cluster(ray_cluster, tmp_path):
+    opened = await sandboxns.ray.open_cluster(state_directory=str(tmp_path / "{node_id}"))
+    async with opened:
+        yield opened
+
+
+async def started(handle) -> None:
+    """Until the command the test started in ``handle`` has made its mark."""
+    with trio.fail_after(30):
+        while "started" not in [entry.name for entry in await handle.session.list_dir(".")]:
+            await trio.sleep(0.05)
+
+
+async def sh(handle, script: str):
+    result = await handle.session.run("sh", ["-c", script], timeout=60)
+    assert result.exit_code == 0, result
+    return result
+
+
+async def test_sessions_spread_over_the_nodes_each_isolated(cluster):
+    assert len(cluster.nodes) == 3
+    template = await cluster.prewarm(template="spread", files={"a.txt": b"template\n"})
+    handles = [await cluster.create(template=template.template_key) for _ in range(6)]
+    try:
+        by_node = {}
+        for handle in handles:
+            by_node.setdefault(handle.node, []).append(handle)
+        assert sorted(len(on_node) for on_node in by_node.values()) == [2, 2, 2]
+        for index, handle in enumerate(handles):
+            await handle.session.write_file("mine", f"{index}\n".encode())
+        for index, handle in enumerate(handles):
+            assert (await sh(handle, "cat a.txt mine; ls")).stdout == f"template\n{index}\na.txt\nmine\n"
+            assert await handle.session.read_file("mine") == f"{index}\n".encode()
+        names = [entry.name for entry in await handles[0].session.list_dir(".")]
+        assert sorted(names) == ["a.txt", "mine"]
+        # Each node has its own backend and state directory.
+        assert len({(await cluster._call(node, "describe"))[1] for node in cluster.nodes}) == 3
+    finally:
+        for handle in handles:
+            await handle.delete()
+
+
+async def test_a_template_is_on_every_node_and_a_session_goes_where_asked(cluster):
+    template = await cluster.prewarm(template="everywhere", files={"t": b"same\n"})
+    for node in cluster.nodes:
+        async with await cluster.create(template=template.template_key, node=node) as handle:
+            assert handle.node == node
+            assert (await sh(handle, "cat t")).stdout == "same\n"
+    await refused(ErrorCode.SANDBOX_NOT_FOUND, cluster.create(template=template.template_key, node="f" * 56))
+
+
+async def test_a_session_resumes_only_on_its_own_node(cluster):
+    template = await cluster.prewarm(template="resume", files={})
+    handle = await cluster.create(template=template.template_key)
+    await sh(handle, "echo kept > f")
+    state = handle.capture_state()
+    assert state["node"] == handle.node
+    await handle.stop()
+    elsewhere = next(node for node in cluster.nodes if node != handle.node)
+    await refused(
+        ErrorCode.SANDBOX_STATE_MISMATCH,
+        cluster.create(state=state, template=template.template_key, node=elsewhere),
+    )
+    async with await cluster.create(state=state, template=template.template_key) as resumed:
+        assert resumed.node == handle.node
+        assert (await sh(resumed, "cat f")).stdout == "kept\n"
+        await resumed.delete()
+
+
+async def test_snapshots_and_forks_stay_on_their_node(cluster):
+    template = await cluster.prewarm(template="forks", files={})
+    async with await cluster.create(template=template.template_key) as origin:
+        await sh(origin, "echo origin > f")
+        forks = await origin.fork(2)
+        try:
+            for index, fork in enumerate(forks):
+                assert fork.node == origin.node
+                await sh(fork, f"echo {index} >> f")
+            for index, fork in enumerate(forks):
+                assert (await sh(fork, "cat f")).stdout == f"origin\n{index}\n"
+            snapshot = await origin.snapshot(name="later")
+            assert snapshot.name == "later"
+        finally:
+            for fork in forks:
+                await fork.delete()
+        await origin.delete()
+
+
+async def test_errors_come_back_as_sandbox_errors(cluster):
+    template = await cluster.prewarm(template="errors", files={})
+    async with await cluster.create(template=template.template_key) as handle:
+        await refused(ErrorCode.SANDBOX_NOT_FOUND, handle.session.read_file("missing"))
+        await refused(ErrorCode.SANDBOX_PATH_REFUSED, handle.session.read_file("../../etc/passwd"))
+        await handle.delete()
+    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, cluster.create(template="not a key"))
+
+
+async def test_a_full_cluster_refuses_a_new_session_rather_than_queue(ray_cluster, tmp_path):
+    cluster = await sandboxns.ray.open_cluster(state_directory=str(tmp_path / "{node_id}"), max_concurrent_commands=1)
+    async with cluster:
+        template = await cluster.prewarm(template="full", files={})
+        handles = [await cluster.create(template=template.template_key, node=node) for node in cluster.nodes]
+        async def busy(handle) -> None:  # until the session is deleted under it
+            await refused(ErrorCode.SANDBOX_STOPPED, handle.session.run("sh", ["-c", "touch started; exec sleep 60"]))
+
+        async with trio.open_nursery() as nursery:
+            for handle in handles:
+                nursery.start_soon(busy, handle)
+            for handle in handles:  # each node's one admission slot taken
+                await started(handle)
+            await refused(ErrorCode.SANDBOX_BUSY, cluster.create(template=template.template_key))
+            # Per node: a second command on a full node is refused there too.
+            await refused(ErrorCode.SANDBOX_BUSY, handles[0].session.run("true"))
+            for handle in handles:
+                await handle.delete()  # kills the sleeps
+
+
+async def test_a_node_that_dies_fails_its_sessions_fast_and_the_others_go_on(ray_cluster, tmp_path):
+    cluster_utils, _, _ = ray_cluster
+    doomed = cluster_utils.add_node(**NODE)
+    cluster_utils.wait_for_nodes()
+    cluster = await sandboxns.ray.open_cluster(state_directory=str(tmp_path / "{node_id}"))
+    async with cluster:
+        assert doomed.node_id in cluster.nodes
+        template = await cluster.prewarm(template="dies", files={})
+        victim = await cluster.create(template=template.template_key, node=doomed.node_id)
+        survivor = await cluster.create(template=template.template_key)
+        assert survivor.node != doomed.node_id
+        async with trio.open_nursery() as nursery:
+
+            async def pending() -> None:
+                with trio.fail_after(20):
+                    error = await refused(
+                        ErrorCode.SANDBOX_UNAVAILABLE,
+                        victim.session.run("sh", ["-c", "touch started; exec sleep 60"]),
+                    )
+                assert doomed.node_id in error.message
+
+            nursery.start_soon(pending)
+            await started(victim)
+            cluster_utils.remove_node(doomed, allow_graceful=False)
+        with trio.fail_after(20):
+            await refused(ErrorCode.SANDBOX_UNAVAILABLE, victim.session.read_file("x"))
+        assert (await sh(survivor, "echo alive")).stdout == "alive\n"
+        await cluster.refresh()
+        assert doomed.node_id not in cluster.nodes
+        for _ in range(4):
+            async with await cluster.create(template=template.template_key) as handle:
+                assert handle.node != doomed.node_id
+                await handle.delete()
+        await survivor.delete()
+        for node in cluster.nodes:  # nothing left behind on the others
+            running, live, _ = await cluster._call(node, "load")
+            assert (running, live) == (0, 0)
+            sessions = tmp_path / node / "sessions"
+            assert not sessions.exists() or list(sessions.iterdir()) == []
+
+
+async def test_credentials_never_reach_rays_files(ray_cluster, tmp_path):
+    _, _, ray_files = ray_cluster
+    secret = "sandboxns-ray-secret-" + os.urandom(8).hex()
+    policy = {"allow": [{"origin": "http://upstream.invalid:8080", "headers": {"authorization": secret}}]}
+    cluster = await sandboxns.ray.open_cluster(state_directory=str(tmp_path / "{node_id}"))
+    async with cluster:
+        template = await cluster.prewarm(template="secret", files={})
+        async with await cluster.create(template=template.template_key, network=policy) as handle:
+            await sh(handle, "true")
+            await handle.session.set_network_policy(policy)
+            await handle.delete()
+    found = [
+        path
+        for directory in (ray_files, tmp_path)
+        for path in Path(directory).rglob("*")
+        if path.is_file() and not path.is_symlink() and secret.encode() in _read(path)
+    ]
+    assert found == []
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a socket, or gone meanwhile
+        return b""
