@@ -16,8 +16,10 @@ node that is gone; its sessions' calls then fail with SANDBOX_UNAVAILABLE
 naming the node, and new sessions go elsewhere.
 
 The actor runs trio in a thread of its own (as :mod:`sandboxns.blocking`
-does) and serves calls from a few threads of Ray's. Calls from trio code
-await Ray's answer without blocking the event loop.
+does) and serves calls from a few threads of Ray's; it takes no CPU of the
+node's (its sandboxes are processes Ray does not schedule). Calls from trio
+code await Ray's answer without blocking the event loop; synchronous code,
+Ray tasks' included, uses :class:`BlockingCluster`.
 
 Credentials: a network policy's header values travel in the arguments of
 the call that applies them, to that node's actor alone. Ray passes small
@@ -30,6 +32,7 @@ stores to restart an actor), and no error message here includes them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -46,9 +49,19 @@ from ._files import DirEntry
 from ._session import RunResult
 from ._snapshots import Snapshot
 from ._templates import Template
-from .blocking import _Portal
+from .blocking import _Portal, _refuse_trio_caller
 
-__all__ = ["RESOURCE", "Cluster", "RemoteSession", "RemoteSessionHandle", "open_cluster"]
+__all__ = [
+    "RESOURCE",
+    "BlockingCluster",
+    "BlockingRemoteHandle",
+    "BlockingRemoteSession",
+    "Cluster",
+    "RemoteSession",
+    "RemoteSessionHandle",
+    "open_blocking_cluster",
+    "open_cluster",
+]
 
 # The custom resource a node declares to host sandboxes; each node's actor
 # takes all of one, so a node has one backend.
@@ -203,6 +216,22 @@ class Cluster:
         """The ids of the nodes whose backends are reachable, as last seen."""
         return [node.node_id for node in self._nodes.values() if node.alive]
 
+    def blocking(self) -> BlockingCluster:
+        """This cluster for synchronous code (see :class:`BlockingCluster`),
+        which can be passed to Ray tasks and actors."""
+        return BlockingCluster(self)
+
+    def __getstate__(self) -> dict:
+        # Passed to another process (a Ray task's): the actors' handles go
+        # with it, and the class they were made from is made again there.
+        state = dict(self.__dict__)
+        del state["_actor_class"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._actor_class = ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+
     async def refresh(self) -> None:
         """Start a backend on each node that declares the resource and has
         none yet (nodes join a cluster at any time), and forget those Ray
@@ -221,6 +250,9 @@ class Cluster:
                 actor = self._actor_class.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                     resources={RESOURCE: 1},
+                    # Its sandboxes are processes of their own, which Ray
+                    # does not schedule: the node's CPUs stay for its tasks.
+                    num_cpus=0,
                 ).remote(self.state_directory, self.driver, self.max_concurrent_commands)
                 self._nodes[node_id] = _Node(node_id, actor)
                 started.append(node_id)
@@ -462,6 +494,103 @@ class RemoteSessionHandle:
         return await self._cluster._call(self.node, "handle_call", self.session_id, name, args, kwargs)
 
 
+def _blocking(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``await function(*args, **kwargs)`` in a trio run of its own."""
+    _refuse_trio_caller()
+    return trio.run(functools.partial(function, *args, **kwargs))
+
+
+class BlockingCluster:
+    """A :class:`Cluster` for synchronous code: a script, or a Ray task or
+    actor it is passed to (``ray.get`` collects what they return). Each
+    call runs the async one in a trio run of its own; the cluster is closed
+    by whoever opened it, not here."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+
+    @property
+    def nodes(self) -> list[str]:
+        return self._cluster.nodes
+
+    def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
+        return _blocking(self._cluster.prewarm, template=template, files=files)
+
+    def create(self, **options: Any) -> BlockingRemoteHandle:
+        return BlockingRemoteHandle(_blocking(self._cluster.create, **options))
+
+    def close(self) -> None:
+        """Close the cluster (see Cluster.aclose): for the code that opened
+        it, with :func:`open_blocking_cluster`."""
+        _blocking(self._cluster.aclose)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class BlockingRemoteSession:
+    """:class:`RemoteSession`, blocking."""
+
+    def __init__(self, session: RemoteSession) -> None:
+        self._session = session
+
+    def run(self, executable: str, args: Sequence[str] = (), **options: Any) -> RunResult:
+        return _blocking(self._session.run, executable, args, **options)
+
+    def read_file(self, path: str) -> bytes:
+        return _blocking(self._session.read_file, path)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        _blocking(self._session.write_file, path, data)
+
+    def list_dir(self, path: str = ".") -> list[DirEntry]:
+        return _blocking(self._session.list_dir, path)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        _blocking(self._session.remove, path, recursive=recursive)
+
+    def mkdir(self, path: str, *, parents: bool = False) -> None:
+        _blocking(self._session.mkdir, path, parents=parents)
+
+
+class BlockingRemoteHandle:
+    """:class:`RemoteSessionHandle`, blocking; ``with`` shuts it down."""
+
+    def __init__(self, handle: RemoteSessionHandle) -> None:
+        self._handle = handle
+        self.node = handle.node
+        self.session_id = handle.session_id
+        self.template_key = handle.template_key
+        self.session = BlockingRemoteSession(handle.session)
+
+    def capture_state(self) -> dict:
+        return self._handle.capture_state()
+
+    def stop(self) -> None:
+        _blocking(self._handle.stop)
+
+    def shutdown(self) -> None:
+        _blocking(self._handle.shutdown)
+
+    def delete(self) -> None:
+        _blocking(self._handle.delete)
+
+    def snapshot(self, name: str | None = None, *, copy: bool = False) -> Snapshot:
+        return _blocking(self._handle.snapshot, name, copy=copy)
+
+    def fork(self, n: int, **options: Any) -> list[BlockingRemoteHandle]:
+        return [BlockingRemoteHandle(fork) for fork in _blocking(self._handle.fork, n, **options)]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
 async def open_cluster(
     *,
     state_directory: str | os.PathLike[str],
@@ -489,3 +618,9 @@ async def open_cluster(
             f"(ray start --resources '{{\"{RESOURCE}\": 1}}')",
         )
     return cluster
+
+
+def open_blocking_cluster(**options: Any) -> BlockingCluster:
+    """:func:`open_cluster` for synchronous code (same arguments); close it,
+    or use ``with``."""
+    return BlockingCluster(_blocking(open_cluster, **options))

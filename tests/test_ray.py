@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 import trio
 from conftest import refused
 
+import sandboxns
 from sandboxns import ErrorCode
 
 if os.environ.get("SANDBOXNS_REQUIRE_RAY"):
@@ -254,3 +256,30 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # a socket, or gone meanwhile
         return b""
+
+
+def rollout(cluster, template_key: str, seed: int) -> tuple[str, int]:
+    """A Ray task: a session of its own, one command, and the session gone."""
+    handle = cluster.create(template=template_key)
+    try:
+        result = handle.session.run("sh", ["-c", f"echo $(( {seed} * {seed} ))"])
+        return handle.node, int(result.stdout)
+    finally:
+        handle.delete()
+
+
+def test_ray_tasks_use_the_blocking_cluster(ray_cluster, tmp_path):
+    # The tasks' workers cannot import this module: its functions go by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        with sandboxns.ray.open_blocking_cluster(state_directory=str(tmp_path / "{node_id}")) as cluster:
+            template = cluster.prewarm(template="tasks", files={})
+            task = ray.remote(rollout)
+            results = ray.get([task.remote(cluster, template.template_key, seed) for seed in range(12)])
+            assert sorted(value for _, value in results) == [seed * seed for seed in range(12)]
+            assert {node for node, _ in results} <= set(cluster.nodes)
+            with pytest.raises(sandboxns.SandboxError) as refusal:
+                cluster.create(template="not a key")
+            assert refusal.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
