@@ -516,8 +516,7 @@ class SessionHandle:
         async def hand_out(snapshot: Snapshot) -> None:
             # Sessions of the fork pool take the snapshot's layers while
             # this one's holder goes over to it.
-            if not mounts and confinement == DEFAULT_CONFINEMENT:
-                pooled.extend(await backend._hand_out_forks(snapshot, n, policy))
+            pooled.extend(await backend._hand_out_forks(snapshot, n, policy, mounts, confinement))
 
         failures: list[Exception] = []
         try:
@@ -790,9 +789,8 @@ class Backend:
     async def _create_from_template(
         self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
     ) -> SessionHandle:
-        pool = self._pools.get(key)
-        # Pooled sessions have no mounts and the default confinement.
-        if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT:
+        pool = self._ready_pool(key, mounts, confinement)
+        if pool is not None:
             handle = pool.ready.popleft()
             pool.wake.set()
             if policy != DENY_ALL:  # pooled sessions wait with no network at all
@@ -829,10 +827,9 @@ class Backend:
         from under it (one from the fork pool may have mounted the layers by
         then; it is deleted if the snapshot is gone)."""
         layout = "overlay" if self._overlay else "copy"
-        pool = self._pools.get(FORK_POOL)
-        if pool is not None and pool.ready and not mounts and confinement == DEFAULT_CONFINEMENT and self._overlay:
+        if self._ready_pool(FORK_POOL, mounts, confinement) is not None:
             snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot_id)
-            handed_out = await self._hand_out_forks(snapshot, 1, policy)
+            handed_out = await self._hand_out_forks(snapshot, 1, policy, mounts, confinement)
             if handed_out:
                 return handed_out[0]
 
@@ -863,13 +860,25 @@ class Backend:
         with self._snapshots.locked():
             return self._own_snapshot(snapshot_id)
 
-    async def _hand_out_forks(self, snapshot: Snapshot, n: int, policy: NetworkPolicy) -> list[SessionHandle]:
-        """Up to ``n`` sessions of the fork pool (as many as are ready),
-        standing on ``snapshot`` with ``policy``. One whose holder cannot
-        take the layers is deleted and left out (the caller starts one
-        afresh); should one fail otherwise, none is handed out."""
-        pool = self._pools.get(FORK_POOL)
-        if pool is None or not self._overlay:
+    def _ready_pool(self, key: str, mounts: Sequence[Mount], confinement: Confinement) -> _Pool | None:
+        """The pool ``key`` if it has a session ready that can serve these:
+        pooled sessions have no mounts and the default confinement (and the
+        fork pool's an overlay workspace)."""
+        pool = self._pools.get(key)
+        if pool is None or not pool.ready or mounts or confinement != DEFAULT_CONFINEMENT:
+            return None
+        return pool if key != FORK_POOL or self._overlay else None
+
+    async def _hand_out_forks(
+        self, snapshot: Snapshot, n: int, policy: NetworkPolicy, mounts: Sequence[Mount], confinement: Confinement
+    ) -> list[SessionHandle]:
+        """Up to ``n`` sessions of the fork pool (as many as are ready, none
+        unless it serves ``mounts`` and ``confinement``), standing on
+        ``snapshot`` with ``policy``. One whose holder cannot take the
+        layers is deleted and left out (the caller starts one afresh);
+        should one fail otherwise, none is handed out."""
+        pool = self._ready_pool(FORK_POOL, mounts, confinement)
+        if pool is None:
             return []
         taken: list[SessionHandle] = []
 
@@ -899,11 +908,12 @@ class Backend:
         return taken
 
     async def _stand_on_snapshot(self, handle: SessionHandle, snapshot: Snapshot) -> bool:
-        """Give a session of the fork pool a snapshot's layers: its holder
-        mounts them over its workspace, in the upper and work directories
-        that waited empty beside its blank ones (see _start_driver), while
-        its record is written (under the store's lock, as a new session's,
-        and only if the store holds that very snapshot). False if the holder
+        """Give a session of the fork pool a snapshot (one this backend made
+        or read from its store): its holder mounts the layers over its
+        workspace, in the upper and work directories that waited empty
+        beside its blank ones (see _start_driver), while its record is
+        written (under the store's lock, as a new session's, and only if the
+        snapshot is still there). False if the holder
         cannot; then, or on a failure, the caller deletes the session. From
         here on the session is the snapshot's; its blank directories go with
         its next snapshot."""
@@ -918,15 +928,7 @@ class Backend:
 
         def record() -> None:
             with self._snapshots.locked():
-                stored = self._own_snapshot(snapshot.id)
-                if (stored.template, stored.layers, stored.on_template) != (
-                    snapshot.template,
-                    snapshot.layers,
-                    snapshot.on_template,
-                ):
-                    raise SandboxError(
-                        ErrorCode.SANDBOX_STATE_MISMATCH, f"snapshot {snapshot.id} is not the one stored under its id"
-                    )
+                self._own_snapshot(snapshot.id)  # still there: not being deleted from under it
                 write_json(storage / "session.json", description)
 
         layers = [f"s/{layer}" for layer in snapshot.layers] + (

@@ -15,7 +15,6 @@ filesystem can share blocks.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -33,8 +32,6 @@ from ._session import normalize_path
 TEMPLATE_FORMAT = 1
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 MAX_TEMPLATE_NAME = 256
-# ioctl(dest, FICLONE, src): share src's blocks (btrfs, XFS, bcachefs...).
-FICLONE = 0x40049409
 
 
 @dataclass(frozen=True)
@@ -131,21 +128,3 @@ class TemplateStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return template
-
-
-def _copy_file(source: int, target: int) -> None:
-    try:
-        fcntl.ioctl(target, FICLONE, source)
-        return
-    except OSError:
-        pass
-    try:
-        while os.copy_file_range(source, target, 1 << 30):
-            pass
-    except OSError as exc:
-        # Between file systems of different types (the template store and a
-        # capped workspace's ext4 image) the kernel refuses before copying.
-        if exc.errno != errno.EXDEV:
-            raise
-        while os.sendfile(target, source, None, 1 << 30):
-            pass

@@ -166,6 +166,12 @@ class NodeBackend:
         return {"state": handle.capture_state(), "template": handle.template_key}
 
 
+def _remote_node_backend() -> Any:
+    """NodeBackend as a Ray actor class: served from several threads, and
+    never restarted by Ray (a node that died lost its sessions' holders)."""
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+
+
 @dataclasses.dataclass
 class _Node:
     node_id: str
@@ -209,7 +215,7 @@ class Cluster:
         self._nodes: dict[str, _Node] = {}
         self._refreshed = -float("inf")
         self._closed = False
-        self._actor_class = ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+        self._actor_class = _remote_node_backend()
 
     @property
     def nodes(self) -> list[str]:
@@ -230,7 +236,7 @@ class Cluster:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._actor_class = ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+        self._actor_class = _remote_node_backend()
 
     async def refresh(self) -> None:
         """Start a backend on each node that declares the resource and has
@@ -532,28 +538,16 @@ class BlockingCluster:
 
 
 class BlockingRemoteSession:
-    """:class:`RemoteSession`, blocking."""
+    """:class:`RemoteSession`, blocking: each of its methods, taking the
+    same arguments."""
 
     def __init__(self, session: RemoteSession) -> None:
         self._session = session
 
-    def run(self, executable: str, args: Sequence[str] = (), **options: Any) -> RunResult:
-        return _blocking(self._session.run, executable, args, **options)
-
-    def read_file(self, path: str) -> bytes:
-        return _blocking(self._session.read_file, path)
-
-    def write_file(self, path: str, data: bytes) -> None:
-        _blocking(self._session.write_file, path, data)
-
-    def list_dir(self, path: str = ".") -> list[DirEntry]:
-        return _blocking(self._session.list_dir, path)
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        _blocking(self._session.remove, path, recursive=recursive)
-
-    def mkdir(self, path: str, *, parents: bool = False) -> None:
-        _blocking(self._session.mkdir, path, parents=parents)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in vars(RemoteSession):
+            raise AttributeError(name)
+        return functools.partial(_blocking, getattr(self._session, name))
 
 
 class BlockingRemoteHandle:

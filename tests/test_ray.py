@@ -231,6 +231,26 @@ async def test_a_node_that_dies_fails_its_sessions_fast_and_the_others_go_on(ray
             assert not sessions.exists() or list(sessions.iterdir()) == []
 
 
+async def test_a_node_that_joins_later_gets_a_backend(ray_cluster, tmp_path):
+    cluster_utils, _, _ = ray_cluster
+    cluster = await sandboxns.ray.open_cluster(state_directory=str(tmp_path / "{node_id}"))
+    async with cluster:
+        template = await cluster.prewarm(template="joins", files={"t": b"here\n"})
+        newcomer = cluster_utils.add_node(**NODE)
+        try:
+            cluster_utils.wait_for_nodes()
+            assert newcomer.node_id not in cluster.nodes
+            await cluster.refresh()  # as the next placement would, within a second
+            assert newcomer.node_id in cluster.nodes
+            # Templates are made where sessions are; prewarming again adds it there.
+            await cluster.prewarm(template="joins", files={"t": b"here\n"})
+            async with await cluster.create(template=template.template_key, node=newcomer.node_id) as handle:
+                assert (await sh(handle, "cat t")).stdout == "here\n"
+                await handle.delete()
+        finally:
+            cluster_utils.remove_node(newcomer, allow_graceful=True)
+
+
 async def test_credentials_never_reach_rays_files(ray_cluster, tmp_path):
     _, _, ray_files = ray_cluster
     secret = "sandboxns-ray-secret-" + os.urandom(8).hex()
