@@ -23,7 +23,6 @@ import inspect
 import logging
 import os
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +33,13 @@ import trio
 from . import _coding_files as files
 from ._errors import ErrorCode, SandboxError
 from ._files import WORKSPACE, HostWorkspaceIO
-from ._session import Session, check_command
+from ._session import RunResult, Session, check_command
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
 DEFAULT_EXECUTABLES: Mapping[str, str] = {"shell": "/usr/bin/sh"}
 FORBIDDEN = ErrorCode.FORBIDDEN.value
-INSUFFICIENT = ErrorCode.SANDBOX_INSUFFICIENT.value
+INSUFFICIENT_CODE = ErrorCode.SANDBOX_INSUFFICIENT
+INSUFFICIENT = INSUFFICIENT_CODE.value
 EDIT_NO_MATCH = "EDIT_NO_MATCH"
 EDIT_AMBIGUOUS = "EDIT_AMBIGUOUS"
 EDIT_STALE = "EDIT_STALE"
@@ -331,26 +331,125 @@ class CodingTools:
             return self._binding.unavailable(name, exc).as_result()
 
 
+@dataclass(frozen=True)
+class CapturedCommand:
+    """A run_command, checked and authorized, as the session runs it:
+    output captured up to ``capture_limit`` bytes, SIGTERM then SIGKILL
+    ``cancel_grace`` seconds apart if cancelled, and refused unless the
+    network policy is still of ``network_generation``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    timeout: float
+    capture_limit: int
+    cancel_grace: float
+    network_generation: int
+
+
+@dataclass(frozen=True)
+class CapturedRun:
+    """What a CapturedCommand gave: its result, or None if the session was
+    stopped under it (then the output is what it wrote until then)."""
+
+    result: RunResult | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+
+
+# The functions of _coding_files the tools run over a workspace (and all a
+# session on another node will run for them).
+WORKSPACE_OPERATIONS = frozenset(
+    {
+        files.read_slice,
+        files.read_whole,
+        files.missing_directories,
+        files.write_atomically,
+        files.list_directory,
+        files.walk,
+        files.search_contents,
+    }
+)
+
+
+class WorkspaceTarget:
+    """What the coding tools need of a session, for a session of this
+    process: its handle's liveness, its network policy, its workspace (the
+    host's contained view of it, _coding_files' functions taking its
+    directory fd) and its commands. A session on another node has a proxy
+    of the same methods (sandboxns.ray), whose calls this class serves on
+    that node."""
+
+    def __init__(self, handle: Any, session: Session) -> None:
+        self.handle = handle
+        self.session = session
+
+    def check_live(self) -> None:
+        """SANDBOX_STOPPED once the handle was stopped; the driver's own
+        refusal once it is closed (or taken over)."""
+        if not getattr(self.handle, "live", True):
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped")
+        self.session.driver._check_usable()
+
+    async def environment(self) -> dict[str, str]:
+        return dict(self.session.environment)
+
+    async def run_probe(self) -> RunResult:
+        """The restriction probe's run (see _grade)."""
+        # The host's home goes in on stdin: an argument would show in /proc.
+        return await self.session.run(
+            "/bin/sh", ["-c", _PROBE], env={}, stdin=os.path.expanduser("~") + "\n", timeout=10
+        )
+
+    async def network_state(self) -> tuple[str, int]:
+        """The policy's kind and generation (bumped by every change)."""
+        self.check_live()
+        return self.session.network.kind, self.session.network_generation
+
+    async def workspace_call(self, function: Callable, *args: Any) -> Any:
+        self.check_live()
+        return await self.session.workspace_call(function, *args)
+
+    async def execute(self, command: CapturedCommand) -> CapturedRun:
+        # Checked with no await before the command is admitted, so no
+        # policy change or stop slips in between.
+        self.check_live()
+        if self.session.network_generation != command.network_generation:
+            raise SandboxError(INSUFFICIENT_CODE, "the network policy changed while the command was prepared")
+        capture = _OutputCapture(command.capture_limit)
+        try:
+            result = await self.session._execute(
+                command.argv,
+                env=command.env,
+                cwd=command.cwd,
+                timeout=command.timeout,
+                output=capture,
+                cancel_grace=command.cancel_grace,
+            )
+        except SandboxError as exc:
+            if exc.code != ErrorCode.SANDBOX_STOPPED:
+                raise
+            # The session was stopped under the command: it was killed,
+            # and what it wrote so far (maybe nothing) is worth showing.
+            return CapturedRun(None, capture.output("stdout"), capture.output("stderr"), capture.truncated)
+        return CapturedRun(result, result.stdout_bytes, result.stderr_bytes, capture.truncated)
+
+
 class _Binding:
     """The host-only link from tools to a session: never shown to a model."""
 
-    def __init__(self, handle: Any, session: Session, hooks: CodingHooks) -> None:
-        self.handle = handle
-        self.session = session
+    def __init__(self, target: Any, hooks: CodingHooks) -> None:
+        self.target = target
         self.hooks = hooks
         self.grade: dict[str, bool] = {}
-        self.graded_generation = -1
         self.edit_lock = trio.Lock()
 
     def check_live(self) -> None:
         """Refuse once the handle was stopped or the driver is closed (or
         taken over): old tools never touch a session that moved on."""
-        if not getattr(self.handle, "live", True):
-            raise ToolRefusal(
-                ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped", "create new tools from a new handle"
-            )
         try:
-            self.session.driver._check_usable()
+            self.target.check_live()
         except SandboxError as exc:
             raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
 
@@ -382,11 +481,8 @@ test -e "$home" && echo "host-home=1" || echo "host-home=0"
 """
 
 
-async def _probe(binding: _Binding) -> dict[str, bool]:
-    # The host's home goes in on stdin: an argument would show in /proc.
-    result = await binding.session.run(
-        "/bin/sh", ["-c", _PROBE], env={}, stdin=os.path.expanduser("~") + "\n", timeout=10
-    )
+def _grade(result: RunResult) -> dict[str, bool]:
+    """The restrictions the probe's run shows."""
     facts = dict(line.split("=", 1) for line in result.stdout.split() if "=" in line)
     if result.exit_code != 0 or len(facts) != 8:
         raise RuntimeError(f"restriction probe failed: {result.exit_code} {result.stderr.strip()[:200]}")
@@ -401,11 +497,13 @@ async def _probe(binding: _Binding) -> dict[str, bool]:
     }  # fmt: skip
 
 
-def _policy_allows(restriction: str, binding: _Binding) -> bool:
-    """What the current policy says, independent of the probe."""
-    if restriction == "network-denied":
-        return binding.session.network.kind == "deny-all"
-    return True
+def _missing(required: Sequence[str], grade: Mapping[str, bool], policy_kind: str) -> list[str]:
+    """The required restrictions the probe did not see, or the current
+    policy no longer gives."""
+    return [
+        restriction for restriction in required
+        if not grade.get(restriction) or restriction == "network-denied" and policy_kind != "deny-all"
+    ]  # fmt: skip
 
 
 # Argument checking: the model's input is untrusted.
@@ -473,11 +571,16 @@ async def create_sandbox_coding_tools(
 ) -> CodingTools:
     """The coding tools for a session handle (or a :class:`Session`); see
     the module docstring and the README."""
-    session = handle.session if hasattr(handle, "session") else handle
-    if not isinstance(session, Session) or not isinstance(session.driver, HostWorkspaceIO):
-        raise SandboxError(
-            ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no host-side workspace binding for coding tools"
-        )
+    coding_target = getattr(handle, "coding_target", None)
+    if callable(coding_target):
+        target = coding_target()  # a session elsewhere (sandboxns.ray)
+    else:
+        session = handle.session if hasattr(handle, "session") else handle
+        if not isinstance(session, Session) or not isinstance(session.driver, HostWorkspaceIO):
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no host-side workspace binding for coding tools"
+            )
+        target = WorkspaceTarget(handle, session)
     if not callable(authorize) or (authorize_path is not None and not callable(authorize_path)):
         raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "authorize and authorize_path must be callables")
     unknown = set(required_restrictions) - set(RESTRICTIONS)
@@ -489,18 +592,18 @@ async def create_sandbox_coding_tools(
         or not all(isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in executables.items())
     ):
         raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "executables must map aliases to absolute guest paths")
-    env = dict(session.environment if environment is None else environment)
-    binding = _Binding(handle, session, hooks)
+    binding = _Binding(target, hooks)
     binding.check_live()
+    env = await target.environment() if environment is None else dict(environment)
     try:
-        binding.grade = await _probe(binding)
-        binding.graded_generation = session.network_generation
+        policy_kind, _ = await target.network_state()
+        binding.grade = _grade(await target.run_probe())
     except Exception as exc:  # whatever broke, the host's hook hears of it
         if isinstance(exc, SandboxError) and exc.code in PROBE_REFUSED_AS_IS:
             raise
         binding.report(CREATING_TOOLS, exc)
         raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON) from exc
-    missing = [r for r in required_restrictions if not (binding.grade.get(r) and _policy_allows(r, binding))]
+    missing = _missing(required_restrictions, binding.grade, policy_kind)
     if missing:
         raise SandboxError(ErrorCode.SANDBOX_INSUFFICIENT, f"the session does not provide {', '.join(missing)}")
     implementation = _Implementation(
@@ -553,7 +656,7 @@ class _Implementation:
     async def call_files(self, function, *args):
         self.binding.check_live()
         # Activity, and refused during a snapshot, as the Session's own file methods are.
-        return await self.binding.session.workspace_call(function, *args)
+        return await self.binding.target.workspace_call(function, *args)
 
     # -- tools -------------------------------------------------------------
     def tools(self) -> list[Tool]:
@@ -715,9 +818,8 @@ class _Implementation:
         # The walk runs in a worker thread; authorize_path (maybe async) is
         # asked afterwards, and a denied directory hides all beneath it.
         entries = await self.call_files(
-            lambda root: list(files.walk(root, guest_path, self.limits.max_search_depth,
-                                         self.limits.max_search_files, lambda _: True))
-        )  # fmt: skip
+            files.walk, guest_path, self.limits.max_search_depth, self.limits.max_search_files
+        )
         kept = []
         for entry in entries:
             parent = entry.path.rsplit("/", 1)[0]
@@ -759,7 +861,7 @@ class _Implementation:
 
     async def _search(self, function, *args):
         """Run a search in a worker thread against the search time budget."""
-        deadline = time.monotonic() + self.limits.search_seconds
+        deadline = files.Deadline.after(self.limits.search_seconds)
         try:
             return await function(*args, deadline)
         except files.SearchTimeout:
@@ -831,40 +933,35 @@ class _Implementation:
         )
         binding = self.binding
         binding.check_live()
-        generation = binding.session.network_generation
-        missing = [r for r in self.required if not (binding.grade.get(r) and _policy_allows(r, binding))]
+        policy_kind, generation = await binding.target.network_state()
+        missing = _missing(self.required, binding.grade, policy_kind)
         if missing:
             raise ToolRefusal(INSUFFICIENT, f"the session no longer provides {', '.join(missing)}")
         await self.require_path(guest_cwd)
         await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
-        if binding.session.network_generation != generation:
-            raise ToolRefusal(INSUFFICIENT, "the network policy changed while the command was prepared", "call again")
-        # A stop while the host decided is a refusal (nothing ran); from
-        # here on, a stop is one under the command.
+        # A stop or policy change while the host decided is a refusal
+        # (nothing ran); from here on, a stop is one under the command.
         binding.check_live()
-        capture = _OutputCapture(self.limits.max_artifact_bytes)
+        command = CapturedCommand(
+            argv, env, guest_cwd, timeout, self.limits.max_artifact_bytes, CANCEL_GRACE, generation
+        )
         started = trio.current_time()
         try:
-            result = await binding.session._execute(
-                argv,
-                env=env,
-                cwd=guest_cwd,
-                timeout=timeout,
-                output=capture,
-                cancel_grace=CANCEL_GRACE,
-            )
+            captured = await binding.target.execute(command)
         except SandboxError as exc:
+            if exc.code == INSUFFICIENT_CODE:
+                raise ToolRefusal(INSUFFICIENT, exc.message, "call again") from None
             if exc.code == ErrorCode.SANDBOX_STOPPED:
-                # The session was stopped under the command: it was killed,
-                # and what it wrote so far (maybe nothing) is worth showing.
-                shown = self._shape_output(capture.output("stdout"), capture.output("stderr"), capture.truncated)
-                duration = round(trio.current_time() - started, 3)
-                return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
+                raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
             if exc.code in REFUSED_AS_IS:
                 raise ToolRefusal(exc.code.value, exc.message) from None
             raise binding.unavailable("run_command", exc) from exc
-        outcome = "timeout" if result.timed_out else "output-limit" if capture.truncated else "exited"
-        shown = self._shape_output(result.stdout_bytes, result.stderr_bytes, capture.truncated)
+        result = captured.result
+        shown = self._shape_output(captured.stdout, captured.stderr, captured.truncated)
+        if result is None:
+            duration = round(trio.current_time() - started, 3)
+            return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
+        outcome = "timeout" if result.timed_out else "output-limit" if captured.truncated else "exited"
         duration = round(result.duration, 3)
         return {
             "exit_code": result.exit_code,

@@ -16,7 +16,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ._errors import ErrorCode, SandboxError
@@ -277,13 +277,11 @@ def list_directory(root: int, guest_path: str) -> list[Entry]:
         os.close(fd)
 
 
-def walk(
-    root: int, guest_path: str, max_depth: int, max_entries: int, allowed: Callable[[str], bool]
-) -> Iterator[Entry]:
+def walk(root: int, guest_path: str, max_depth: int, max_entries: int) -> list[Entry]:
     """Entries under a directory, depth first, never through a symlink,
-    skipping dependency/VCS directories and anything ``allowed`` rejects;
-    at most ``max_entries`` are looked at."""
-    seen = 0
+    skipping dependency/VCS directories; at most ``max_entries`` are looked
+    at."""
+    found: list[Entry] = []
     pending = [(guest_path, 0)]
     while pending:
         directory, depth = pending.pop()
@@ -292,15 +290,13 @@ def walk(
         except SandboxError:
             continue  # vanished or swapped meanwhile: fail closed, skip it
         for entry in entries:
-            seen += 1
-            if seen > max_entries:
-                return
-            if not allowed(entry.path):
-                continue
-            yield entry
+            if len(found) >= max_entries:
+                return found
+            found.append(entry)
             name = entry.path.rsplit("/", 1)[1]
             if entry.kind == "directory" and depth + 1 < max_depth and name not in SKIPPED_DIRECTORIES:
                 pending.append((entry.path, depth + 1))
+    return found
 
 
 def glob_match(pattern: str, relative: str) -> bool:
@@ -330,6 +326,18 @@ class Match:
     text: str
     before: list[str]
     after: list[str]
+
+
+class Deadline(float):
+    """A time.monotonic() deadline that stays one on another host: it is
+    pickled as the seconds left, and unpickled against that host's clock."""
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
+
+    def __reduce__(self):
+        return (Deadline.after, (self - time.monotonic(),))
 
 
 class SearchTimeout(Exception):

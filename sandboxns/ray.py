@@ -31,12 +31,17 @@ stores to restart an actor), and no error message here includes them.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
+import itertools
 import os
+import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Self
 
 import ray
@@ -44,8 +49,9 @@ import trio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, open_backend
+from ._coding import WORKSPACE_OPERATIONS, CapturedCommand, CapturedRun, WorkspaceTarget
 from ._errors import ErrorCode, SandboxError, invalid_argument
-from ._files import DirEntry
+from ._files import DirEntry, HostWorkspaceIO
 from ._session import RunResult
 from ._snapshots import Snapshot
 from ._templates import Template
@@ -66,6 +72,8 @@ __all__ = [
 # The custom resource a node declares to host sandboxes; each node's actor
 # takes all of one, so a node has one backend.
 RESOURCE = "sandboxns"
+# In a node's state directory: the id of the backends over it.
+BACKEND_ID_FILE = "ray-backend-id"
 # How often, at most, a placement looks for nodes that joined or left.
 NODE_REFRESH_SECONDS = 1.0
 # Threads serving one actor's calls at once: its commands, file operations
@@ -85,7 +93,15 @@ _SESSION_CALLS = frozenset(
         "set_network_policy",
     }
 )
+# What coding tools on the caller's side may call (see WorkspaceTarget).
+_CODING_CALLS = frozenset({"environment", "run_probe", "network_state", "workspace_call", "execute"})
 _ENDING_CALLS = frozenset({"stop", "shutdown", "delete"})
+# How long a cancelled call waits for its node to end what it started (a
+# command: SIGTERM, its grace, SIGKILL) before the cancellation goes on.
+CANCEL_WAIT_SECONDS = 10.0
+# Cancellations a node keeps for calls that have not reached it yet (calls
+# and cancellations may arrive in either order on a threaded actor).
+EARLY_CANCELS_KEPT = 1024
 _HANDLE_CALLS = _ENDING_CALLS | {"snapshot"}
 
 
@@ -102,11 +118,16 @@ class NodeBackend:
         }
         self._portal = _Portal(lambda: open_backend(**options))
         self._backend = self._portal.value
+        self.backend_id = _backend_identity(Path(self._backend.state_directory))
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
+        # Calls under way that the caller may cancel, by call id; and the
+        # ids cancelled before their call arrived.
+        self._cancel_scopes: dict[str, trio.CancelScope] = {}
+        self._early_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
 
-    def describe(self) -> tuple[str, int]:
-        return self.node_id, os.getpid()
+    def describe(self) -> tuple[str, int, str]:
+        return self.node_id, os.getpid(), self.backend_id
 
     def load(self) -> tuple[int, int, int]:
         """(commands running, sessions live, the admission limit)."""
@@ -120,7 +141,18 @@ class NodeBackend:
     def pool(self, template: str, size: int) -> None:
         self._portal.call(self._backend.pool, template=template, size=size)
 
+    def pool_forks(self, size: int) -> None:
+        self._portal.call(self._backend.pool_forks, size=size)
+
     def create(self, options: Mapping[str, Any]) -> dict:
+        state = options.get("state")
+        if state is not None:
+            if state.get("backend_id") != self.backend_id:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_STATE_MISMATCH,
+                    f"session {state.get('session')} is not of this node's backend ({self.backend_id})",
+                )
+            options = {**options, "state": {key: value for key, value in state.items() if key != "backend_id"}}
         handle = self._portal.call(self._backend.create, **options)
         with self._lock:
             self._handles[handle.session_id] = handle
@@ -133,10 +165,36 @@ class NodeBackend:
                 self._handles[handle.session_id] = handle
         return [self._describe(handle) for handle in forks]
 
-    def session_call(self, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def session_call(
+        self, call_id: str, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
         if name not in _SESSION_CALLS:
             raise invalid_argument(f"{name!r} is not a session call")
-        return self._portal.call(getattr(self._handle(session_id).session, name), *args, **kwargs)
+        return self._cancellable(call_id, getattr(self._handle(session_id).session, name), *args, **kwargs)
+
+    def coding_call(self, call_id: str, session_id: str, name: str, args: Sequence[Any]) -> Any:
+        """A WorkspaceTarget method of the session, for coding tools whose
+        authorization hooks run on the caller's side."""
+        if name not in _CODING_CALLS:
+            raise invalid_argument(f"{name!r} is not a coding call")
+        if name == "workspace_call" and args[0] not in WORKSPACE_OPERATIONS:
+            raise invalid_argument(f"{args[0]!r} is not a workspace operation of the coding tools")
+        handle = self._handle(session_id)
+        if not isinstance(handle.session.driver, HostWorkspaceIO):
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no workspace binding for coding tools")
+        return self._cancellable(call_id, getattr(WorkspaceTarget(handle, handle.session), name), *args)
+
+    def cancel(self, call_id: str) -> None:
+        """Cancel a call (its command is ended as a local cancellation ends
+        it), or the call when it arrives."""
+        with self._lock:
+            scope = self._cancel_scopes.get(call_id)
+            if scope is None:
+                self._early_cancels[call_id] = None
+                while len(self._early_cancels) > EARLY_CANCELS_KEPT:
+                    self._early_cancels.popitem(last=False)
+                return
+        self._portal.call_sync(scope.cancel)
 
     def handle_call(self, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         if name not in _HANDLE_CALLS:
@@ -155,6 +213,23 @@ class NodeBackend:
     def close(self) -> None:
         self._portal.close()
 
+    def _cancellable(self, call_id: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        async def call() -> Any:
+            with trio.CancelScope() as scope:
+                with self._lock:
+                    if self._early_cancels.pop(call_id, False) is None:
+                        scope.cancel()
+                    self._cancel_scopes[call_id] = scope
+                try:
+                    return await function(*args, **kwargs)
+                finally:
+                    with self._lock:
+                        del self._cancel_scopes[call_id]
+            # Cancelled: the caller has stopped waiting for an answer.
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the call was cancelled by its caller")
+
+        return self._portal.call(call)
+
     def _handle(self, session_id: str) -> Any:
         with self._lock:
             handle = self._handles.get(session_id)
@@ -163,7 +238,25 @@ class NodeBackend:
         return handle
 
     def _describe(self, handle: Any) -> dict:
-        return {"state": handle.capture_state(), "template": handle.template_key}
+        return {"state": {**handle.capture_state(), "backend_id": self.backend_id}, "template": handle.template_key}
+
+
+def _backend_identity(state_directory: Path) -> str:
+    """The id of the backend over ``state_directory``, made by the first
+    one: what a session's state names, so that it is resumed where its
+    files are even when the host comes back as a new Ray node."""
+    path = state_directory / BACKEND_ID_FILE
+    with contextlib.suppress(FileNotFoundError):
+        return path.read_text()
+    spare = state_directory / f".{BACKEND_ID_FILE}-{secrets.token_hex(8)}"
+    spare.write_text(secrets.token_hex(16))
+    try:
+        os.link(spare, path)  # no reader ever sees a partial id
+    except FileExistsError:
+        pass  # another backend's made it meanwhile
+    finally:
+        spare.unlink()
+    return path.read_text()
 
 
 def _remote_node_backend() -> Any:
@@ -177,11 +270,15 @@ class _Node:
     node_id: str
     actor: Any
     alive: bool = True
+    backend_id: str | None = None  # once it has answered
 
 
-async def _resolve(ref: ray.ObjectRef) -> Any:
+async def _resolve(ref: ray.ObjectRef, cancel: Callable[[], object] | None = None) -> Any:
     """Await a Ray result from trio: Ray calls back from one of its threads
-    once the result is in, and the event loop is woken for it."""
+    once the result is in, and the event loop is woken for it. Cancelled,
+    ``cancel()`` asks the node to end the call, which is waited for (as
+    long as CANCEL_WAIT_SECONDS) before the cancellation goes on: like a
+    local command's, a remote one is gone once its cancelled call returns."""
     token = trio.lowlevel.current_trio_token()
     future = ref.future()
     done = trio.Event()
@@ -193,7 +290,14 @@ async def _resolve(ref: ray.ObjectRef) -> Any:
             pass
 
     future.add_done_callback(wake)
-    await done.wait()
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        if cancel is not None:
+            with trio.move_on_after(CANCEL_WAIT_SECONDS, shield=True):
+                cancel()
+                await done.wait()
+        raise
     return future.result()
 
 
@@ -216,6 +320,9 @@ class Cluster:
         self._refreshed = -float("inf")
         self._closed = False
         self._actor_class = _remote_node_backend()
+        # Call ids: unique across the processes this cluster is passed to.
+        self._caller = secrets.token_hex(8)
+        self._call_numbers = itertools.count()
 
     @property
     def nodes(self) -> list[str]:
@@ -231,17 +338,23 @@ class Cluster:
         # Passed to another process (a Ray task's): the actors' handles go
         # with it, and the class they were made from is made again there.
         state = dict(self.__dict__)
-        del state["_actor_class"]
+        del state["_actor_class"], state["_caller"], state["_call_numbers"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._actor_class = _remote_node_backend()
+        self._caller = secrets.token_hex(8)
+        self._call_numbers = itertools.count()
 
     async def refresh(self) -> None:
         """Start a backend on each node that declares the resource and has
-        none yet (nodes join a cluster at any time), and forget those Ray
-        reports gone."""
+        none running (nodes join a cluster at any time; a backend's process
+        may die while its node lives on), and forget nodes Ray reports
+        gone. A backend started again on a node opens the same state
+        directory, where the sessions its predecessor left are recovered
+        as after any crash: their leases are free once their processes are
+        gone, and each resumes from its captured state."""
         self._check_open()
         self._refreshed = time.monotonic()
         listed = await trio.to_thread.run_sync(ray.nodes)
@@ -252,7 +365,7 @@ class Cluster:
             if not entry["Alive"]:
                 if node_id in self._nodes:
                     self._nodes[node_id].alive = False
-            elif wanted and entry["Resources"].get(RESOURCE, 0) >= 1 and node_id not in self._nodes:
+            elif wanted and entry["Resources"].get(RESOURCE, 0) >= 1 and node_id not in self.nodes:
                 actor = self._actor_class.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                     resources={RESOURCE: 1},
@@ -264,9 +377,14 @@ class Cluster:
                 started.append(node_id)
         # A new backend is ready once it answers; one that fails to start
         # (its node left meanwhile) is marked gone.
+        async def ready(node: _Node) -> None:
+            described = await self._call_quietly(node.node_id, "describe")
+            if described is not None:
+                node.backend_id = described[2]
+
         async with trio.open_nursery() as nursery:
             for node_id in started:
-                nursery.start_soon(self._call_quietly, node_id, "describe")
+                nursery.start_soon(ready, self._nodes[node_id])
 
     async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
         """:meth:`Backend.prewarm` on every node (the key is the same on
@@ -283,29 +401,46 @@ class Cluster:
         await self._refresh_if_due()
         await self._on_every_node("pool", template, size_per_node)
 
+    async def pool_forks(self, *, size_per_node: int) -> None:
+        """:meth:`Backend.pool_forks` on every node (forks are made on
+        their origin's node)."""
+        await self._refresh_if_due()
+        await self._on_every_node("pool_forks", size_per_node)
+
     async def create(self, *, node: str | None = None, state: Mapping | None = None, **options: Any) -> RemoteSessionHandle:
-        """:meth:`Backend.create` on a node: ``node`` if given, the node a
-        ``state`` names (a session is resumed where its files are), or the
-        least loaded (fewest commands running, then fewest sessions). When
-        every node runs as many commands as its admission limit allows, this
-        is SANDBOX_BUSY: nothing is queued."""
+        """:meth:`Backend.create` on a node: ``node`` if given, the node
+        whose backend holds a ``state``'s session (resumed where its files
+        are: the node it was made on, or the node its host came back as),
+        or the least loaded (fewest commands running, then fewest
+        sessions). When every node runs as many commands as its admission
+        limit allows, this is SANDBOX_BUSY: nothing is queued."""
         await self._refresh_if_due()
         if state is not None:
-            if not isinstance(state, Mapping) or not isinstance(state.get("node"), str):
+            if not isinstance(state, Mapping) or not all(
+                isinstance(state.get(key), str) for key in ("node", "backend_id")
+            ):
                 raise invalid_argument("state is not a remote session's descriptor (see capture_state())")
-            if node is not None and node != state["node"]:
+            # Its own node if that is still there, else the node whose
+            # backend is over the same state directory (its host came back).
+            holders = [
+                known.node_id for known in self._nodes.values()
+                if known.alive and known.backend_id == state["backend_id"]
+            ]  # fmt: skip
+            holder = state["node"] if state["node"] in holders or not holders else holders[0]
+            if node is not None and node != holder:
                 raise SandboxError(
-                    ErrorCode.SANDBOX_STATE_MISMATCH, f"session {state.get('session')} lives on node {state['node']}"
+                    ErrorCode.SANDBOX_STATE_MISMATCH, f"session {state.get('session')} lives on node {holder}"
                 )
-            node = state["node"]
+            node = holder
             options["state"] = {key: value for key, value in state.items() if key != "node"}
         if node is None:
             node = await self._least_loaded()
         elif node not in self._nodes or not self._nodes[node].alive:
             code = ErrorCode.SANDBOX_STATE_MISMATCH if state is not None else ErrorCode.SANDBOX_NOT_FOUND
             raise SandboxError(code, f"node {node} has no sandboxns backend in this cluster")
-        described = await self._call(node, "create", options)
-        return RemoteSessionHandle(self, node, described)
+        backend = self._node(node)
+        described = await self._call_on(backend, "create", options)
+        return RemoteSessionHandle(self, backend, described)
 
     async def aclose(self) -> None:
         """Shut every node's backend down (their sessions stop; their files
@@ -327,7 +462,7 @@ class Cluster:
     async def _close_node(self, node: _Node) -> None:
         with trio.CancelScope(shield=True):
             try:
-                await self._call(node.node_id, "close")
+                await self._call_on(node, "close")
             except SandboxError:
                 pass  # gone already
             ray.kill(node.actor)
@@ -387,24 +522,53 @@ class Cluster:
             return None
 
     async def _call(self, node_id: str, method: str, *args: Any) -> Any:
-        """A method of a node's actor. Errors come back as the
-        SandboxError the actor raised; a node that is gone (its actor
-        dead, or unreachable) is SANDBOX_UNAVAILABLE naming it."""
+        """A method of a node's actor. Errors come back as the exception
+        the actor raised (a SandboxError as itself); a backend that is
+        gone (its node or its process dead, or unreachable) is
+        SANDBOX_UNAVAILABLE naming the node."""
+        return await self._call_on(self._node(node_id), method, *args)
+
+    async def _call_on(self, node: _Node, method: str, *args: Any) -> Any:
+        """_call on one backend of a node: a session's handle keeps the one
+        it was made by, and a backend started on its node later does not
+        take over its calls (its sessions resume there from their state)."""
+        self._check_alive(node)
+        return await self._answer(node, getattr(node.actor, method).remote(*args))
+
+    async def _cancellable_call(self, node: _Node, method: str, *args: Any) -> Any:
+        """_call_on for a method taking a call id first: cancelling the
+        caller cancels the call on the node."""
+        self._check_alive(node)
+        call_id = f"{self._caller}-{next(self._call_numbers)}"
+        ref = getattr(node.actor, method).remote(call_id, *args)
+        return await self._answer(node, ref, lambda: node.actor.cancel.remote(call_id))
+
+    def _node(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)
-        if node is None or not node.alive:
-            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"node {node_id} is gone from the Ray cluster")
+        if node is None:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"node {node_id} has no sandboxns backend here")
+        self._check_alive(node)
+        return node
+
+    @staticmethod
+    def _check_alive(node: _Node) -> None:
+        if not node.alive:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"the sandboxns backend of node {node.node_id} is gone")
+
+    async def _answer(self, node: _Node, ref: ray.ObjectRef, cancel: Callable[[], object] | None = None) -> Any:
         try:
-            return await _resolve(getattr(node.actor, method).remote(*args))
+            return await _resolve(ref, cancel)
         except ray.exceptions.RayActorError as exc:
             node.alive = False
             raise SandboxError(
-                ErrorCode.SANDBOX_UNAVAILABLE, f"node {node_id} is gone from the Ray cluster ({type(exc).__name__})"
+                ErrorCode.SANDBOX_UNAVAILABLE,
+                f"the sandboxns backend of node {node.node_id} is gone ({type(exc).__name__})",
             ) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
             if isinstance(cause, SandboxError):
                 raise SandboxError(cause.code, cause.message) from None
-            raise
+            raise cause from exc
 
     def _check_open(self) -> None:
         if self._closed:
@@ -447,7 +611,44 @@ class RemoteSession:
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
-        return await handle._cluster._call(handle.node, "session_call", handle.session_id, name, args, kwargs)
+        return await handle._cluster._cancellable_call(
+            handle._backend, "session_call", handle.session_id, name, args, kwargs
+        )
+
+
+class _RemoteWorkspaceTarget:
+    """A WorkspaceTarget's methods for coding tools on the caller's side
+    (its authorization hooks stay there), each served by the node's
+    WorkspaceTarget of the session."""
+
+    def __init__(self, handle: RemoteSessionHandle) -> None:
+        self.handle = handle
+
+    def check_live(self) -> None:
+        # What this side knows; the node checks again on every call.
+        if not self.handle.live:
+            raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped")
+
+    async def environment(self) -> dict[str, str]:
+        return await self._call("environment")
+
+    async def run_probe(self) -> RunResult:
+        return await self._call("run_probe")
+
+    async def network_state(self) -> tuple[str, int]:
+        return await self._call("network_state")
+
+    async def workspace_call(self, function: Callable, *args: Any) -> Any:
+        return await self._call("workspace_call", function, *args)
+
+    async def execute(self, command: CapturedCommand) -> CapturedRun:
+        return await self._call("execute", command)
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        handle = self.handle
+        return await handle._cluster._cancellable_call(
+            handle._backend, "coding_call", handle.session_id, name, args
+        )
 
 
 class RemoteSessionHandle:
@@ -456,13 +657,16 @@ class RemoteSessionHandle:
     actor. ``node`` is the Ray node id; ``capture_state()`` names it, and
     only that node resumes the session."""
 
-    def __init__(self, cluster: Cluster, node: str, described: Mapping[str, Any]) -> None:
+    def __init__(self, cluster: Cluster, backend: _Node, described: Mapping[str, Any]) -> None:
         self._cluster = cluster
-        self.node = node
+        self._backend = backend
+        self.node = backend.node_id
         self._state = dict(described["state"])
         self.session_id: str = self._state["session"]
         self.template_key: str | None = described["template"]
         self.session = RemoteSession(self)
+        # False once stopped, shut down or deleted through this handle.
+        self.live = True
 
     def capture_state(self) -> dict:
         """What ``Cluster.create(state=...)`` resumes the session from (on
@@ -470,12 +674,15 @@ class RemoteSessionHandle:
         return {**self._state, "node": self.node}
 
     async def stop(self) -> None:
+        self.live = False
         await self._call("stop")
 
     async def shutdown(self) -> None:
+        self.live = False
         await self._call("shutdown")
 
     async def delete(self) -> None:
+        self.live = False
         await self._call("delete")
 
     async def aclose(self) -> None:
@@ -485,10 +692,15 @@ class RemoteSessionHandle:
         """A snapshot on this session's node (see SessionHandle.snapshot)."""
         return await self._call("snapshot", name, copy=copy)
 
+    def coding_target(self) -> _RemoteWorkspaceTarget:
+        """What create_sandbox_coding_tools(handle) drives: the tools and
+        their hooks run here, the workspace and commands on the node."""
+        return _RemoteWorkspaceTarget(self)
+
     async def fork(self, n: int, **options: Any) -> list[RemoteSessionHandle]:
         """Forks on this session's node (see SessionHandle.fork)."""
-        described = await self._cluster._call(self.node, "fork", self.session_id, n, options)
-        return [RemoteSessionHandle(self._cluster, self.node, one) for one in described]
+        described = await self._cluster._call_on(self._backend, "fork", self.session_id, n, options)
+        return [RemoteSessionHandle(self._cluster, self._backend, one) for one in described]
 
     async def __aenter__(self) -> Self:
         return self
@@ -497,7 +709,7 @@ class RemoteSessionHandle:
         await self.aclose()
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._cluster._call(self.node, "handle_call", self.session_id, name, args, kwargs)
+        return await self._cluster._call_on(self._backend, "handle_call", self.session_id, name, args, kwargs)
 
 
 def _blocking(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -270,7 +270,7 @@ async def test_a_symlink_swapped_in_after_authorization_fails_closed(tools, work
 
     recorder.authorize_path = swap_then_allow  # type: ignore[method-assign]
     tools = await create_sandbox_coding_tools(
-        tools._binding.session, authorize=recorder.authorize, authorize_path=swap_then_allow
+        tools._binding.target.handle, authorize=recorder.authorize, authorize_path=swap_then_allow
     )
     arguments = {
         "read": ("read_file", {"path": "dir/f"}),

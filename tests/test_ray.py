@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -249,6 +250,130 @@ async def test_a_node_that_joins_later_gets_a_backend(ray_cluster, tmp_path):
                 await handle.delete()
         finally:
             cluster_utils.remove_node(newcomer, allow_graceful=True)
+
+
+async def test_coding_tools_on_a_remote_session_ask_the_callers_hooks(cluster):
+    template = await cluster.prewarm(template="coding", files={"src/app.py": b"print('hello')\n"})
+    asked = []
+
+    def authorize(operation) -> bool:  # runs here, in the caller's process
+        asked.append((operation.kind, getattr(operation, "path", None)))
+        return getattr(operation, "path", None) != "/workspace/denied.txt"
+
+    async with await cluster.create(template=template.template_key) as handle:
+        tools = await sandboxns.create_sandbox_coding_tools(handle, authorize=authorize)
+
+        async def call(name: str, **arguments) -> dict:
+            result = await tools.dispatch(name, arguments)
+            assert "error" not in result or name == "write_file", result
+            return result
+
+        read = await call("read_file", path="src/app.py")
+        assert read["text"] == "print('hello')\n"
+        edit = await call("edit_file", path="src/app.py", old_text="hello", new_text="remote",
+                          expected_sha256=read["sha256"])  # fmt: skip
+        assert edit["replacements"] == 1
+        assert (await call("write_file", path="notes/new.txt", content="x"))["created_directories"] == [
+            "/workspace/notes"
+        ]
+        assert (await call("write_file", path="denied.txt", content="no"))["error"] == "FORBIDDEN"
+        found = await call("search_files", query="rem.te", regex=True)
+        assert [match["path"] for match in found["matches"]] == ["/workspace/src/app.py"]
+        assert (await call("glob", pattern="**/*.txt"))["matches"] == ["/workspace/notes/new.txt"]
+        listed = await call("list_directory", path=".")
+        assert [entry["name"] for entry in listed["entries"]] == ["notes", "src"]
+        ran = await call("run_command", executable="shell",
+                         args=["-c", "cat src/app.py; test -e denied.txt || echo absent; seq 100000"])  # fmt: skip
+        assert ran["exit_code"] == 0 and ran["stdout"].startswith("print('remote')\nabsent\n1\n")
+        # Long output stays with the tools, on this side, to page through.
+        paged = await call("search_output", reference=ran["artifact"]["reference"], query="99999")
+        assert [match["text"] for match in paged["matches"]] == ["99999"]
+        # What the tools did is in the session on its node.
+        assert await handle.session.read_file("src/app.py") == b"print('remote')\n"
+        assert ("write", "/workspace/denied.txt") in asked and ("shell", None) in asked
+        await handle.stop()
+        assert (await tools.dispatch("read_file", {"path": "src/app.py"}))["error"] == "SANDBOX_STOPPED"
+        await handle.delete()
+
+
+async def test_cancelling_a_remote_command_ends_it_on_its_node(cluster):
+    template = await cluster.prewarm(template="cancel", files={})
+    async with await cluster.create(template=template.template_key) as handle:
+        async with trio.open_nursery() as nursery:
+
+            async def long_command() -> None:
+                await handle.session.run("sh", ["-c", "touch started; sleep 60; touch finished"], timeout=120)
+                raise AssertionError("the command ran to its end")
+
+            nursery.start_soon(long_command)
+            await started(handle)
+            nursery.cancel_scope.cancel()
+        # Like a local cancellation: the command's tree is gone once the
+        # cancelled call has returned, and its slot is free.
+        running, _, _ = await cluster._call(handle.node, "load")
+        assert running == 0
+        assert (await sh(handle, "ls; ps -e -o comm= | grep -c sleep || true")).stdout == "started\n0\n"
+        await handle.delete()
+
+
+async def test_pools_on_every_node_serve_creates(cluster, tmp_path):
+    template = await cluster.prewarm(template="pooled", files={"p": b"pool\n"})
+    await cluster.pool(template=template.template_key, size_per_node=2)
+    waiting = {node: {path.name for path in (tmp_path / node / "sessions").iterdir()} for node in cluster.nodes}
+    assert [len(sessions) for sessions in waiting.values()] == [2, 2, 2]
+    for node in cluster.nodes:
+        async with await cluster.create(template=template.template_key, node=node) as handle:
+            assert handle.session_id in waiting[node]  # one that was waiting
+            assert (await sh(handle, "cat p")).stdout == "pool\n"
+            await handle.delete()
+    await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, cluster.pool(template=template.template_key, size_per_node=-1))
+
+
+async def test_a_backend_that_dies_is_started_again_and_its_sessions_resume(cluster):
+    template = await cluster.prewarm(template="restart", files={})
+    handle = await cluster.create(template=template.template_key)
+    await sh(handle, "echo kept > f")
+    state = handle.capture_state()
+    _, pid, _ = await cluster._call(handle.node, "describe")
+    os.kill(pid, signal.SIGKILL)  # the backend's process, not its node
+    with trio.fail_after(20):
+        error = await refused(ErrorCode.SANDBOX_UNAVAILABLE, handle.session.read_file("f"))
+    assert handle.node in error.message
+    await cluster.refresh()
+    assert handle.node in cluster.nodes
+    _, new_pid, _ = await cluster._call(handle.node, "describe")
+    assert new_pid != pid
+    # The new backend recovers the lease its predecessor left, and the
+    # session resumes there; the old handle stays with the old backend.
+    async with await cluster.create(state=state, template=template.template_key) as resumed:
+        assert resumed.node == handle.node
+        assert (await sh(resumed, "cat f")).stdout == "kept\n"
+        await resumed.delete()
+    await refused(ErrorCode.SANDBOX_UNAVAILABLE, handle.session.read_file("f"))
+
+
+async def test_a_host_that_returns_as_a_new_node_resumes_its_sessions(ray_cluster, tmp_path):
+    cluster_utils, _, _ = ray_cluster
+    host = tmp_path / "host"  # a state directory of the host's own, as on a real cluster
+    before = cluster_utils.add_node(**NODE)
+    cluster_utils.wait_for_nodes()
+    async with await sandboxns.ray.open_cluster(state_directory=str(host), nodes=[before.node_id]) as cluster:
+        template = await cluster.prewarm(template="returns", files={})
+        handle = await cluster.create(template=template.template_key)
+        await sh(handle, "echo kept > f")
+        state = handle.capture_state()
+        cluster_utils.remove_node(before, allow_graceful=False)  # the host goes down
+    after = cluster_utils.add_node(**NODE)  # and comes back, with a new node id
+    try:
+        cluster_utils.wait_for_nodes()
+        async with await sandboxns.ray.open_cluster(state_directory=str(host), nodes=[after.node_id]) as cluster:
+            await refused(ErrorCode.SANDBOX_STATE_MISMATCH, cluster.create(state={**state, "backend_id": "f" * 32}))
+            async with await cluster.create(state=state, template=template.template_key) as resumed:
+                assert resumed.node == after.node_id
+                assert (await sh(resumed, "cat f")).stdout == "kept\n"
+                await resumed.delete()
+    finally:
+        cluster_utils.remove_node(after, allow_graceful=True)
 
 
 async def test_credentials_never_reach_rays_files(ray_cluster, tmp_path):
