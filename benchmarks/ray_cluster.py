@@ -10,6 +10,9 @@ backend, on this one machine (whose cores the three nodes share).
                measured in alternating slices (the goal: at least 60 % of
                local)
 
+Both through the cluster as its opener calls it (over the direct channels
+to the nodes) and as any other caller does (a Ray actor call each: "ray").
+
 Usage: python benchmarks/ray_cluster.py [-n REPS] [--seconds S] [--json FILE]
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import shutil
 import sys
@@ -62,16 +66,21 @@ async def measure(reps: int, seconds: float) -> dict:
         cluster = await sandboxns.ray.open_cluster(
             state_directory=f"{state}/{{node_id}}", max_concurrent_commands=CALLERS
         )
-        async with cluster, sandboxns.open_backend(
-            state_directory=f"{state}/local", max_concurrent_commands=CALLERS
-        ) as local:
+        async with (
+            cluster,
+            sandboxns.open_backend(state_directory=f"{state}/local", max_concurrent_commands=CALLERS) as local,
+        ):
             remote_template = await cluster.prewarm(template="bench", files={})
             local_template = await local.prewarm(template="bench", files={})
             remote = [await cluster.create(template=remote_template.template_key) for _ in range(CALLERS)]
+            # The same cluster as a caller in another trio run sees it.
+            through_ray = copy.copy(cluster)
+            through_ray._home_run = None
+            by_ray = [await through_ray.create(template=remote_template.template_key) for _ in range(CALLERS)]
             nearby = [await local.create(template=local_template.template_key) for _ in range(CALLERS)]
-            samples: dict[str, list[float]] = {"remote": [], "local": []}
+            samples: dict[str, list[float]] = {"remote": [], "ray": [], "local": []}
             for rep in range(reps + 10):  # the first ten warm up
-                for name, handle in (("remote", remote[0]), ("local", nearby[0])):
+                for name, handle in (("remote", remote[0]), ("ray", by_ray[0]), ("local", nearby[0])):
                     started = time.perf_counter()
                     result = await handle.session.run("/usr/bin/true")
                     elapsed = time.perf_counter() - started
@@ -80,6 +89,7 @@ async def measure(reps: int, seconds: float) -> dict:
                         samples[name].append(elapsed)
             latency = {name: percentiles(values) for name, values in samples.items()}
             latency["added_p50_ms"] = round(latency["remote"]["p50_ms"] - latency["local"]["p50_ms"], 3)
+            latency["ray_added_p50_ms"] = round(latency["ray"]["p50_ms"] - latency["local"]["p50_ms"], 3)
 
             def cycling(handles):
                 turn = iter(range(sys.maxsize))
@@ -91,10 +101,10 @@ async def measure(reps: int, seconds: float) -> dict:
                 return run
 
             rates = await interleaved_rates(
-                {"remote": cycling(remote), "local": cycling(nearby)}, CALLERS, seconds
+                {"remote": cycling(remote), "ray": cycling(by_ray), "local": cycling(nearby)}, CALLERS, seconds
             )
             spread = sorted(sum(1 for handle in remote if handle.node == node) for node in cluster.nodes)
-            for handle in (*remote, *nearby):
+            for handle in (*remote, *by_ray, *nearby):
                 await handle.delete()
     return {
         "nodes": NODES,
@@ -103,6 +113,7 @@ async def measure(reps: int, seconds: float) -> dict:
         "latency": latency,
         "commands_per_second": {name: round(rate, 1) for name, rate in rates.items()},
         "remote_over_local": round(rates["remote"] / rates["local"], 3),
+        "ray_over_local": round(rates["ray"] / rates["local"], 3),
     }
 
 
@@ -117,12 +128,13 @@ def main() -> int:
     latency = results["latency"]
     print(
         f"run(true) p50: through the cluster {latency['remote']['p50_ms']} ms, local {latency['local']['p50_ms']} ms"
-        f" (+{latency['added_p50_ms']} ms)"
+        f" (+{latency['added_p50_ms']} ms); by Ray calls {latency['ray']['p50_ms']} ms (+{latency['ray_added_p50_ms']} ms)"
     )
     rates = results["commands_per_second"]
     print(
         f"{CALLERS} callers: {rates['remote']} commands/s through the cluster, {rates['local']} local"
-        f" ({results['remote_over_local']:.0%}); sessions per node {results['sessions_per_node']}"
+        f" ({results['remote_over_local']:.0%}); by Ray calls {rates['ray']} ({results['ray_over_local']:.0%});"
+        f" sessions per node {results['sessions_per_node']}"
     )
     write_json(args.json, results)
     return 0

@@ -17,16 +17,21 @@ naming the node, and new sessions go elsewhere.
 
 The actor runs trio in a thread of its own (as :mod:`sandboxns.blocking`
 does) and serves calls from a few threads of Ray's; it takes no CPU of the
-node's (its sandboxes are processes Ray does not schedule). Calls from trio
-code await Ray's answer without blocking the event loop; synchronous code,
-Ray tasks' included, uses :class:`BlockingCluster`.
+node's (its sandboxes are processes Ray does not schedule). The trio run
+that opened the cluster sends its sessions' hot calls (commands, file
+operations, coding tools') over a direct channel to each node instead
+(see _channel: a Ray call costs about what a command does); other calls,
+and other trio runs' calls, are Ray calls, awaited without blocking the
+event loop. Synchronous code, Ray tasks' included, uses
+:class:`BlockingCluster`.
 
 Credentials: a network policy's header values travel in the arguments of
-the call that applies them, to that node's actor alone. Ray passes small
-arguments (under its 100 KiB ``max_direct_call_object_size``) inline in the
-task message, never through its object store, so they are never spilled to
-disk; they are not kept with the actor's constructor arguments (which Ray
-stores to restart an actor), and no error message here includes them.
+the call that applies them, to that node's actor alone, and always as a
+Ray call. Ray passes small arguments (under its 100 KiB
+``max_direct_call_object_size``) inline in the task message, never through
+its object store, so they are never spilled to disk; they are not kept
+with the actor's constructor arguments (which Ray stores to restart an
+actor), and no error message here includes them.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -48,7 +54,8 @@ import ray
 import trio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, open_backend
+from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, Backend, open_backend
+from ._channel import TOKEN_BYTES, Channel, ChannelClosed, serve_connection
 from ._coding import WORKSPACE_OPERATIONS, CapturedCommand, CapturedRun, WorkspaceTarget
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry, HostWorkspaceIO
@@ -68,6 +75,8 @@ __all__ = [
     "open_blocking_cluster",
     "open_cluster",
 ]
+
+logger = logging.getLogger("sandboxns.ray")
 
 # The custom resource a node declares to host sandboxes; each node's actor
 # takes all of one, so a node has one backend.
@@ -93,6 +102,9 @@ _SESSION_CALLS = frozenset(
         "set_network_policy",
     }
 )
+# What a trio caller calls over its direct channel to the node (the rest of
+# a session's calls, and all from other callers, are Ray calls).
+_CHANNEL_SESSION_CALLS = _SESSION_CALLS - {"set_network_policy"}
 # What coding tools on the caller's side may call (see WorkspaceTarget).
 _CODING_CALLS = frozenset({"environment", "run_probe", "network_state", "workspace_call", "execute"})
 _ENDING_CALLS = frozenset({"stop", "shutdown", "delete"})
@@ -116,8 +128,11 @@ class NodeBackend:
             "state_directory": state_directory.replace("{node_id}", self.node_id),
             "max_concurrent_commands": max_concurrent_commands,
         }
-        self._portal = _Portal(lambda: open_backend(**options))
-        self._backend = self._portal.value
+        self._host = ray.util.get_node_ip_address()
+        self._token = secrets.token_bytes(TOKEN_BYTES)
+        server = _ChannelServer(self)
+        self._portal = _Portal(lambda: _serving(options, self._host, server.serve))
+        self._backend, self._port = self._portal.value
         self.backend_id = _backend_identity(Path(self._backend.state_directory))
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -128,6 +143,10 @@ class NodeBackend:
 
     def describe(self) -> tuple[str, int, str]:
         return self.node_id, os.getpid(), self.backend_id
+
+    def channel(self) -> tuple[str, int, bytes]:
+        """Where and how to reach this backend directly (see _channel)."""
+        return self._host, self._port, self._token
 
     def load(self) -> tuple[int, int, int]:
         """(commands running, sessions live, the admission limit)."""
@@ -168,13 +187,19 @@ class NodeBackend:
     def session_call(
         self, call_id: str, session_id: str, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
-        if name not in _SESSION_CALLS:
-            raise invalid_argument(f"{name!r} is not a session call")
-        return self._cancellable(call_id, getattr(self._handle(session_id).session, name), *args, **kwargs)
+        return self._cancellable(call_id, self._session_method(session_id, name, _SESSION_CALLS), *args, **kwargs)
 
     def coding_call(self, call_id: str, session_id: str, name: str, args: Sequence[Any]) -> Any:
         """A WorkspaceTarget method of the session, for coding tools whose
         authorization hooks run on the caller's side."""
+        return self._cancellable(call_id, self._coding_method(session_id, name, args), *args)
+
+    def _session_method(self, session_id: str, name: str, allowed: frozenset[str]) -> Callable[..., Any]:
+        if name not in allowed:
+            raise invalid_argument(f"{name!r} is not a session call here")
+        return getattr(self._handle(session_id).session, name)
+
+    def _coding_method(self, session_id: str, name: str, args: Sequence[Any]) -> Callable[..., Any]:
         if name not in _CODING_CALLS:
             raise invalid_argument(f"{name!r} is not a coding call")
         if name == "workspace_call" and args[0] not in WORKSPACE_OPERATIONS:
@@ -182,7 +207,7 @@ class NodeBackend:
         handle = self._handle(session_id)
         if not isinstance(handle.session.driver, HostWorkspaceIO):
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no workspace binding for coding tools")
-        return self._cancellable(call_id, getattr(WorkspaceTarget(handle, handle.session), name), *args)
+        return getattr(WorkspaceTarget(handle, handle.session), name)
 
     def cancel(self, call_id: str) -> None:
         """Cancel a call (its command is ended as a local cancellation ends
@@ -259,6 +284,42 @@ def _backend_identity(state_directory: Path) -> str:
     return path.read_text()
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    options: Mapping[str, Any], host: str, serve: Callable[[trio.SocketStream], Awaitable[None]]
+) -> AsyncIterator[tuple[Backend, int]]:
+    """A backend, and a listener on ``host`` for direct channels to it
+    (closed before the backend is)."""
+    async with open_backend(**options) as backend, trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host=host))
+        yield backend, listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+
+
+class _ChannelServer:
+    """A NodeBackend's direct channels, served in its trio thread. Apart
+    from the actor class: Ray makes an actor with any coroutine method an
+    asyncio actor, whose plain methods would then run one at a time."""
+
+    def __init__(self, node: NodeBackend) -> None:
+        self._node = node
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        await serve_connection(stream, self._node._token, self._dispatch)
+
+    async def _dispatch(self, method: str, args: tuple) -> Any:
+        node = self._node
+        # A policy's header values never travel by channel (see the module
+        # docstring): set_network_policy is a Ray call only.
+        if method == "session_call":
+            session_id, name, call_args, kwargs = args
+            return await node._session_method(session_id, name, _CHANNEL_SESSION_CALLS)(*call_args, **kwargs)
+        if method == "coding_call":
+            session_id, name, call_args = args
+            return await node._coding_method(session_id, name, call_args)(*call_args)
+        raise invalid_argument(f"{method!r} is not a channel call")
+
+
 def _remote_node_backend() -> Any:
     """NodeBackend as a Ray actor class: served from several threads, and
     never restarted by Ray (a node that died lost its sessions' holders)."""
@@ -271,6 +332,11 @@ class _Node:
     actor: Any
     alive: bool = True
     backend_id: str | None = None  # once it has answered
+    # The direct channel of the cluster's trio run (see Cluster._hot_call);
+    # direct is False once one could not be opened (a port not reachable).
+    channel: Channel | None = None
+    channel_lock: trio.Lock | None = None
+    direct: bool = True
 
 
 async def _resolve(ref: ray.ObjectRef, cancel: Callable[[], object] | None = None) -> Any:
@@ -323,6 +389,8 @@ class Cluster:
         # Call ids: unique across the processes this cluster is passed to.
         self._caller = secrets.token_hex(8)
         self._call_numbers = itertools.count()
+        # The trio run that may use direct channels: the opener's.
+        self._home_run = trio.lowlevel.current_trio_token()
 
     @property
     def nodes(self) -> list[str]:
@@ -338,7 +406,11 @@ class Cluster:
         # Passed to another process (a Ray task's): the actors' handles go
         # with it, and the class they were made from is made again there.
         state = dict(self.__dict__)
-        del state["_actor_class"], state["_caller"], state["_call_numbers"]
+        del state["_actor_class"], state["_caller"], state["_call_numbers"], state["_home_run"]
+        state["_nodes"] = {
+            node_id: _Node(node.node_id, node.actor, node.alive, node.backend_id)
+            for node_id, node in self._nodes.items()
+        }
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -346,6 +418,7 @@ class Cluster:
         self._actor_class = _remote_node_backend()
         self._caller = secrets.token_hex(8)
         self._call_numbers = itertools.count()
+        self._home_run = None  # Ray calls only
 
     async def refresh(self) -> None:
         """Start a backend on each node that declares the resource and has
@@ -375,6 +448,7 @@ class Cluster:
                 ).remote(self.state_directory, self.driver, self.max_concurrent_commands)
                 self._nodes[node_id] = _Node(node_id, actor)
                 started.append(node_id)
+
         # A new backend is ready once it answers; one that fails to start
         # (its node left meanwhile) is marked gone.
         async def ready(node: _Node) -> None:
@@ -407,7 +481,9 @@ class Cluster:
         await self._refresh_if_due()
         await self._on_every_node("pool_forks", size_per_node)
 
-    async def create(self, *, node: str | None = None, state: Mapping | None = None, **options: Any) -> RemoteSessionHandle:
+    async def create(
+        self, *, node: str | None = None, state: Mapping | None = None, **options: Any
+    ) -> RemoteSessionHandle:
         """:meth:`Backend.create` on a node: ``node`` if given, the node
         whose backend holds a ``state``'s session (resumed where its files
         are: the node it was made on, or the node its host came back as),
@@ -461,6 +537,8 @@ class Cluster:
 
     async def _close_node(self, node: _Node) -> None:
         with trio.CancelScope(shield=True):
+            if node.channel is not None:
+                await node.channel.aclose()
             try:
                 await self._call_on(node, "close")
             except SandboxError:
@@ -543,6 +621,43 @@ class Cluster:
         ref = getattr(node.actor, method).remote(call_id, *args)
         return await self._answer(node, ref, lambda: node.actor.cancel.remote(call_id))
 
+    async def _hot_call(self, node: _Node, method: str, *args: Any) -> Any:
+        """_cancellable_call, over the node's direct channel when called
+        from the trio run that opened the cluster (see _channel)."""
+        channel = await self._channel(node) if self._home_run is trio.lowlevel.current_trio_token() else None
+        if channel is None:
+            return await self._cancellable_call(node, method, *args)
+        try:
+            return await channel.call(method, args, CANCEL_WAIT_SECONDS)
+        except ChannelClosed:
+            node.channel = None
+        # Whether the backend is gone is Ray's to say (SANDBOX_UNAVAILABLE
+        # from it, as for any call); the call itself may have run.
+        await self._call_on(node, "describe")
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE,
+            f"the connection to the sandboxns backend of node {node.node_id} closed during the call",
+        )
+
+    async def _channel(self, node: _Node) -> Channel | None:
+        self._check_alive(node)
+        if node.channel is not None and not node.channel.closed:
+            return node.channel
+        if not node.direct:
+            return None
+        if node.channel_lock is None:
+            node.channel_lock = trio.Lock()
+        async with node.channel_lock:
+            if node.channel is None or node.channel.closed:
+                host, port, token = await self._call_on(node, "channel")
+                try:
+                    node.channel = await Channel.connect(host, port, token)
+                except OSError as exc:
+                    logger.warning("no direct channel to node %s (%s): its calls go through Ray", node.node_id, exc)
+                    node.direct = False
+                    return None
+        return node.channel
+
     def _node(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)
         if node is None:
@@ -607,13 +722,15 @@ class RemoteSession:
         await self._call("mkdir", path, parents=parents)
 
     async def set_network_policy(self, policy: object) -> None:
-        await self._call("set_network_policy", policy)
+        # A Ray call, not a channel's: see the module docstring.
+        handle = self._handle
+        await handle._cluster._cancellable_call(
+            handle._backend, "session_call", handle.session_id, "set_network_policy", (policy,), {}
+        )
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
-        return await handle._cluster._cancellable_call(
-            handle._backend, "session_call", handle.session_id, name, args, kwargs
-        )
+        return await handle._cluster._hot_call(handle._backend, "session_call", handle.session_id, name, args, kwargs)
 
 
 class _RemoteWorkspaceTarget:
@@ -646,9 +763,7 @@ class _RemoteWorkspaceTarget:
 
     async def _call(self, name: str, *args: Any) -> Any:
         handle = self.handle
-        return await handle._cluster._cancellable_call(
-            handle._backend, "coding_call", handle.session_id, name, args
-        )
+        return await handle._cluster._hot_call(handle._backend, "coding_call", handle.session_id, name, args)
 
 
 class RemoteSessionHandle:

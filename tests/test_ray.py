@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -176,6 +177,7 @@ async def test_a_full_cluster_refuses_a_new_session_rather_than_queue(ray_cluste
     async with cluster:
         template = await cluster.prewarm(template="full", files={})
         handles = [await cluster.create(template=template.template_key, node=node) for node in cluster.nodes]
+
         async def busy(handle) -> None:  # until the session is deleted under it
             await refused(ErrorCode.SANDBOX_STOPPED, handle.session.run("sh", ["-c", "touch started; exec sleep 60"]))
 
@@ -296,24 +298,80 @@ async def test_coding_tools_on_a_remote_session_ask_the_callers_hooks(cluster):
         await handle.delete()
 
 
-async def test_cancelling_a_remote_command_ends_it_on_its_node(cluster):
+@pytest.mark.parametrize("path", ["channel", "ray"])
+async def test_cancelling_a_remote_command_ends_it_on_its_node(cluster, path):
     template = await cluster.prewarm(template="cancel", files={})
     async with await cluster.create(template=template.template_key) as handle:
-        async with trio.open_nursery() as nursery:
 
-            async def long_command() -> None:
-                await handle.session.run("sh", ["-c", "touch started; sleep 60; touch finished"], timeout=120)
-                raise AssertionError("the command ran to its end")
+        async def cancel_a_command() -> None:
+            async with trio.open_nursery() as nursery:
 
-            nursery.start_soon(long_command)
-            await started(handle)
-            nursery.cancel_scope.cancel()
+                async def long_command() -> None:
+                    await handle.session.run("sh", ["-c", "touch started; sleep 60; touch finished"], timeout=120)
+                    raise AssertionError("the command ran to its end")
+
+                nursery.start_soon(long_command)
+                await started(handle)
+                nursery.cancel_scope.cancel()
+
+        if path == "channel":  # the trio run that opened the cluster
+            await cancel_a_command()
+        else:  # any other trio run's calls are Ray calls
+            await trio.to_thread.run_sync(trio.run, cancel_a_command)
         # Like a local cancellation: the command's tree is gone once the
         # cancelled call has returned, and its slot is free.
         running, _, _ = await cluster._call(handle.node, "load")
         assert running == 0
         assert (await sh(handle, "ls; ps -e -o comm= | grep -c sleep || true")).stdout == "started\n0\n"
         await handle.delete()
+
+
+async def test_a_caller_whose_connection_drops_has_its_commands_ended(cluster):
+    template = await cluster.prewarm(template="drops", files={})
+    async with await cluster.create(template=template.template_key) as handle:
+        async with trio.open_nursery() as nursery:
+
+            async def long_command() -> None:
+                error = await refused(
+                    ErrorCode.SANDBOX_UNAVAILABLE, handle.session.run("sh", ["-c", "touch started; sleep 60"])
+                )
+                assert "connection" in error.message and handle.node in error.message
+
+            nursery.start_soon(long_command)
+            await started(handle)
+            await handle._backend.channel.aclose()
+        with trio.fail_after(10):  # the node ends what the caller can no longer wait for
+            while (await cluster._call(handle.node, "load"))[0]:
+                await trio.sleep(0.05)
+        assert (await sh(handle, "ps -e -o comm= | grep -c sleep || true")).stdout == "0\n"  # a new channel
+        await handle.delete()
+
+
+class _Planted:
+    """Unpickled, makes a directory: what an unauthenticated peer must never get."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.parametrize("token", ["wrong", "too long", "none"])
+async def test_a_channel_without_the_token_unpickles_nothing(cluster, tmp_path, token):
+    host, port, right = await cluster._call(cluster.nodes[0], "channel")
+    planted = tmp_path / "planted"
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        presented = {"wrong": bytes(len(right)), "too long": right + b"x", "none": b""}[token]
+        frames = [presented] if presented else []
+        frames.append(pickle.dumps((0, "session_call", (_Planted(planted),))))
+        for frame in frames:
+            await stream.send_all(len(frame).to_bytes(4, "big") + frame)
+        with trio.fail_after(20):  # closed on us (a missing token: after the handshake time)
+            while await stream.receive_some():
+                pass
+    assert not planted.exists()
 
 
 async def test_pools_on_every_node_serve_creates(cluster, tmp_path):
