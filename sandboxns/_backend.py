@@ -539,7 +539,7 @@ class SessionHandle:
                 try:
                     async with starting:
                         started.append(await create())
-                except Exception as exc:  # the first is the fork's failure; the others stop
+                except Exception as exc:  # noqa: BLE001 - the first is the fork's failure; the others stop
                     failures.append(exc)
                     nursery.cancel_scope.cancel()
 
@@ -596,7 +596,7 @@ async def _together(*jobs: Callable[[], Awaitable[object]] | None) -> list[objec
     async def run(index: int, job: Callable[[], Awaitable[object]]) -> None:
         try:
             results[index] = await job()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - each job's failure is collected, the first raised
             failures.append(exc)
 
     async with trio.open_nursery() as nursery:

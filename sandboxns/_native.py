@@ -15,7 +15,7 @@ import errno
 import os
 import signal
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import trio

@@ -859,9 +859,9 @@ def _egress_problem(egress: str | tuple[_Egress, ...], source: str, tool: str) -
     host = f"[{origin.host}]" if ":" in origin.host else origin.host
     try:
         if origin.scheme == "https":
-            route = route_tunnel(policy, f"{host}:{origin.port}")
+            route_tunnel(policy, f"{host}:{origin.port}")
         else:
-            route, _ = route_request(policy, origin.host_header, f"{origin}/")
+            route_request(policy, origin.host_header, f"{origin}/")
     except Refusal:
         return f"{blocked} does not allow; allow it there"
     return None

@@ -29,9 +29,9 @@ if os.environ.get("SANDBOXNS_REQUIRE_RAY"):
 else:
     ray = pytest.importorskip("ray")
 
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
-import sandboxns.ray  # noqa: E402
+import sandboxns.ray
 
 # A node that dies is noticed within about half a second.
 FAST_FAILURE_DETECTION = {

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import trio
@@ -226,7 +225,7 @@ trio.run(main)
         snapshot_dict, state = json.loads(owner.stdout.readline())
     finally:
         owner.send_signal(signal.SIGKILL)
-        owner.wait()  # noqa: ASYNC220
+        owner.wait()
     async with sandboxns.open_backend(driver=driver_name, state_directory=state_dir) as backend:
         assert [snapshot.to_dict() for snapshot in await backend.snapshots()] == [
             {**snapshot_dict, "bytes": 1 if driver_name == "native" else 2}
