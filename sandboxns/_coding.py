@@ -596,8 +596,8 @@ async def create_sandbox_coding_tools(
     binding.check_live()
     env = await target.environment() if environment is None else dict(environment)
     try:
-        policy_kind, _ = await target.network_state()
         binding.grade = _grade(await target.run_probe())
+        policy_kind, _ = await target.network_state()
     except Exception as exc:  # whatever broke, the host's hook hears of it
         if isinstance(exc, SandboxError) and exc.code in PROBE_REFUSED_AS_IS:
             raise

@@ -54,8 +54,9 @@ import ray
 import trio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import _coding_files
 from ._backend import DEFAULT_MAX_CONCURRENT_COMMANDS, Backend, open_backend
-from ._channel import TOKEN_BYTES, Channel, ChannelClosed, serve_connection
+from ._channel import TOKEN_BYTES, Channel, ChannelClosed, ChannelListener
 from ._coding import WORKSPACE_OPERATIONS, CapturedCommand, CapturedRun, WorkspaceTarget
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry, HostWorkspaceIO
@@ -114,6 +115,19 @@ CANCEL_WAIT_SECONDS = 10.0
 # Cancellations a node keeps for calls that have not reached it yet (calls
 # and cancellations may arrive in either order on a threaded actor).
 EARLY_CANCELS_KEPT = 1024
+# Threads of the actor kept for its quick calls (load, describe, cancel,
+# channel), so that long commands filling the others never delay them.
+CONTROL_CONCURRENCY = 4
+# How long a new backend may take to answer before it is given up (a node
+# whose resource is still held, a node that left meanwhile).
+BACKEND_START_SECONDS = 60.0
+# How long opening a direct channel may take, and how long after a node's
+# channel could not be opened its calls go through Ray before trying again.
+CHANNEL_CONNECT_SECONDS = 5.0
+CHANNEL_RETRY_SECONDS = 60.0
+# Exceptions of the coding tools' file functions that the tools handle
+# themselves; any other failure on a node comes back as SANDBOX_UNAVAILABLE.
+_PASSED_THROUGH = (_coding_files.StaleError, _coding_files.SearchTimeout)
 _HANDLE_CALLS = _ENDING_CALLS | {"snapshot"}
 
 
@@ -130,8 +144,8 @@ class NodeBackend:
         }
         self._host = ray.util.get_node_ip_address()
         self._token = secrets.token_bytes(TOKEN_BYTES)
-        server = _ChannelServer(self)
-        self._portal = _Portal(lambda: _serving(options, self._host, server.serve))
+        listener = ChannelListener(self._token, _ChannelCalls(self).dispatch)
+        self._portal = _Portal(lambda: _serving(options, self._host, listener.serve))
         self._backend, self._port = self._portal.value
         self.backend_id = _backend_identity(Path(self._backend.state_directory))
         self._handles: dict[str, Any] = {}
@@ -141,13 +155,16 @@ class NodeBackend:
         self._cancel_scopes: dict[str, trio.CancelScope] = {}
         self._early_cancels: collections.OrderedDict[str, None] = collections.OrderedDict()
 
+    @ray.method(concurrency_group="control")
     def describe(self) -> tuple[str, int, str]:
         return self.node_id, os.getpid(), self.backend_id
 
+    @ray.method(concurrency_group="control")
     def channel(self) -> tuple[str, int, bytes]:
         """Where and how to reach this backend directly (see _channel)."""
         return self._host, self._port, self._token
 
+    @ray.method(concurrency_group="control")
     def load(self) -> tuple[int, int, int]:
         """(commands running, sessions live, the admission limit)."""
         with self._lock:
@@ -166,7 +183,7 @@ class NodeBackend:
     def create(self, options: Mapping[str, Any]) -> dict:
         state = options.get("state")
         if state is not None:
-            if state.get("backend_id") != self.backend_id:
+            if state.get("backend_id", self.backend_id) != self.backend_id:
                 raise SandboxError(
                     ErrorCode.SANDBOX_STATE_MISMATCH,
                     f"session {state.get('session')} is not of this node's backend ({self.backend_id})",
@@ -202,13 +219,14 @@ class NodeBackend:
     def _coding_method(self, session_id: str, name: str, args: Sequence[Any]) -> Callable[..., Any]:
         if name not in _CODING_CALLS:
             raise invalid_argument(f"{name!r} is not a coding call")
-        if name == "workspace_call" and args[0] not in WORKSPACE_OPERATIONS:
-            raise invalid_argument(f"{args[0]!r} is not a workspace operation of the coding tools")
+        if name == "workspace_call" and (not args or args[0] not in WORKSPACE_OPERATIONS):
+            raise invalid_argument("a workspace_call names a workspace operation of the coding tools")
         handle = self._handle(session_id)
         if not isinstance(handle.session.driver, HostWorkspaceIO):
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no workspace binding for coding tools")
         return getattr(WorkspaceTarget(handle, handle.session), name)
 
+    @ray.method(concurrency_group="control")
     def cancel(self, call_id: str) -> None:
         """Cancel a call (its command is ended as a local cancellation ends
         it), or the call when it arrives."""
@@ -284,6 +302,25 @@ def _backend_identity(state_directory: Path) -> str:
     return path.read_text()
 
 
+def _as_raised(exc: BaseException, node: _Node) -> BaseException:
+    """What a call's caller gets for what its node raised: a SandboxError
+    as itself, the coding tools' own refusals as they are, anything else
+    (a bug) as SANDBOX_UNAVAILABLE naming it."""
+    if isinstance(exc, SandboxError):
+        return SandboxError(exc.code, exc.message)
+    if isinstance(exc, _PASSED_THROUGH):
+        return exc
+    return SandboxError(
+        ErrorCode.SANDBOX_UNAVAILABLE, f"node {node.node_id} failed the call: {type(exc).__name__}: {exc}"
+    )
+
+
+def _ray_uses_tls() -> bool:
+    """Whether Ray encrypts its own connections (the direct channels do
+    not: then every call is a Ray call)."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
 @contextlib.asynccontextmanager
 async def _serving(
     options: Mapping[str, Any], host: str, serve: Callable[[trio.SocketStream], Awaitable[None]]
@@ -296,18 +333,15 @@ async def _serving(
         nursery.cancel_scope.cancel()
 
 
-class _ChannelServer:
-    """A NodeBackend's direct channels, served in its trio thread. Apart
+class _ChannelCalls:
+    """What a NodeBackend's direct channels call, in its trio thread. Apart
     from the actor class: Ray makes an actor with any coroutine method an
     asyncio actor, whose plain methods would then run one at a time."""
 
     def __init__(self, node: NodeBackend) -> None:
         self._node = node
 
-    async def serve(self, stream: trio.SocketStream) -> None:
-        await serve_connection(stream, self._node._token, self._dispatch)
-
-    async def _dispatch(self, method: str, args: tuple) -> Any:
+    async def dispatch(self, method: str, args: tuple) -> Any:
         node = self._node
         # A policy's header values never travel by channel (see the module
         # docstring): set_network_policy is a Ray call only.
@@ -323,7 +357,9 @@ class _ChannelServer:
 def _remote_node_backend() -> Any:
     """NodeBackend as a Ray actor class: served from several threads, and
     never restarted by Ray (a node that died lost its sessions' holders)."""
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)(NodeBackend)
+    return ray.remote(
+        max_concurrency=ACTOR_CONCURRENCY, concurrency_groups={"control": CONTROL_CONCURRENCY}, max_restarts=0
+    )(NodeBackend)
 
 
 @dataclasses.dataclass
@@ -332,11 +368,15 @@ class _Node:
     actor: Any
     alive: bool = True
     backend_id: str | None = None  # once it has answered
-    # The direct channel of the cluster's trio run (see Cluster._hot_call);
-    # direct is False once one could not be opened (a port not reachable).
+    # The direct channel of the cluster's trio run (see Cluster._hot_call),
+    # and until when not to try one (one could not be opened).
     channel: Channel | None = None
     channel_lock: trio.Lock | None = None
-    direct: bool = True
+    direct_after: float = 0.0
+
+    def __getstate__(self) -> dict:
+        # Passed to another process: the channel is this trio run's.
+        return {**self.__dict__, "channel": None, "channel_lock": None}
 
 
 async def _resolve(ref: ray.ObjectRef, cancel: Callable[[], object] | None = None) -> Any:
@@ -389,8 +429,12 @@ class Cluster:
         # Call ids: unique across the processes this cluster is passed to.
         self._caller = secrets.token_hex(8)
         self._call_numbers = itertools.count()
-        # The trio run that may use direct channels: the opener's.
-        self._home_run = trio.lowlevel.current_trio_token()
+        # The trio run that may use direct channels: the opener's (and
+        # none where Ray's own connections are encrypted).
+        self._home_run = None if _ray_uses_tls() else trio.lowlevel.current_trio_token()
+        # Whether this object starts backends: the opener's does; a copy in
+        # a Ray task does not (an actor dies with the worker that made it).
+        self._owner = True
 
     @property
     def nodes(self) -> list[str]:
@@ -407,10 +451,7 @@ class Cluster:
         # with it, and the class they were made from is made again there.
         state = dict(self.__dict__)
         del state["_actor_class"], state["_caller"], state["_call_numbers"], state["_home_run"]
-        state["_nodes"] = {
-            node_id: _Node(node.node_id, node.actor, node.alive, node.backend_id)
-            for node_id, node in self._nodes.items()
-        }
+        state["_owner"] = False
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -438,7 +479,9 @@ class Cluster:
             if not entry["Alive"]:
                 if node_id in self._nodes:
                     self._nodes[node_id].alive = False
-            elif wanted and entry["Resources"].get(RESOURCE, 0) >= 1 and node_id not in self.nodes:
+            elif self._owner and wanted and entry["Resources"].get(RESOURCE, 0) >= 1 and node_id not in self.nodes:
+                if node_id in self._nodes:  # its backend died: it goes for good, and its resource with it
+                    await self._forget(self._nodes[node_id])
                 actor = self._actor_class.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                     resources={RESOURCE: 1},
@@ -452,9 +495,12 @@ class Cluster:
         # A new backend is ready once it answers; one that fails to start
         # (its node left meanwhile) is marked gone.
         async def ready(node: _Node) -> None:
-            described = await self._call_quietly(node.node_id, "describe")
-            if described is not None:
-                node.backend_id = described[2]
+            with trio.move_on_after(BACKEND_START_SECONDS):
+                described = await self._call_quietly(node.node_id, "describe")
+                if described is not None:
+                    node.backend_id = described[2]
+                return
+            await self._forget(node)
 
         async with trio.open_nursery() as nursery:
             for node_id in started:
@@ -492,15 +538,17 @@ class Cluster:
         limit allows, this is SANDBOX_BUSY: nothing is queued."""
         await self._refresh_if_due()
         if state is not None:
-            if not isinstance(state, Mapping) or not all(
-                isinstance(state.get(key), str) for key in ("node", "backend_id")
+            if (
+                not isinstance(state, Mapping)
+                or not isinstance(state.get("node"), str)
+                or not isinstance(state.get("backend_id", ""), str)
             ):
                 raise invalid_argument("state is not a remote session's descriptor (see capture_state())")
             # Its own node if that is still there, else the node whose
             # backend is over the same state directory (its host came back).
             holders = [
                 known.node_id for known in self._nodes.values()
-                if known.alive and known.backend_id == state["backend_id"]
+                if known.alive and known.backend_id == state.get("backend_id")
             ]  # fmt: skip
             holder = state["node"] if state["node"] in holders or not holders else holders[0]
             if node is not None and node != holder:
@@ -526,8 +574,7 @@ class Cluster:
         self._closed = True
         async with trio.open_nursery() as nursery:
             for node in self._nodes.values():
-                if node.alive:
-                    nursery.start_soon(self._close_node, node)
+                nursery.start_soon(self._close_node, node)
 
     async def __aenter__(self) -> Self:
         return self
@@ -537,13 +584,21 @@ class Cluster:
 
     async def _close_node(self, node: _Node) -> None:
         with trio.CancelScope(shield=True):
-            if node.channel is not None:
-                await node.channel.aclose()
-            try:
-                await self._call_on(node, "close")
-            except SandboxError:
-                pass  # gone already
-            ray.kill(node.actor)
+            if node.alive:
+                try:
+                    await self._call_on(node, "close")
+                except SandboxError:
+                    pass  # gone already
+            await self._forget(node)
+
+    @staticmethod
+    async def _forget(node: _Node) -> None:
+        """Close a node's channel, end its actor: it is gone, or replaced."""
+        node.alive = False
+        if node.channel is not None:
+            await node.channel.aclose()
+            node.channel = None
+        ray.kill(node.actor)
 
     async def _least_loaded(self) -> str:
         loads: dict[str, tuple[int, int, int]] = {}
@@ -630,7 +685,9 @@ class Cluster:
         try:
             return await channel.call(method, args, CANCEL_WAIT_SECONDS)
         except ChannelClosed:
-            node.channel = None
+            pass
+        except Exception as exc:  # noqa: BLE001 - what the node raised, as a Ray call's would be
+            raise _as_raised(exc, node) from None
         # Whether the backend is gone is Ray's to say (SANDBOX_UNAVAILABLE
         # from it, as for any call); the call itself may have run.
         await self._call_on(node, "describe")
@@ -643,19 +700,23 @@ class Cluster:
         self._check_alive(node)
         if node.channel is not None and not node.channel.closed:
             return node.channel
-        if not node.direct:
+        if time.monotonic() < node.direct_after:
             return None
         if node.channel_lock is None:
             node.channel_lock = trio.Lock()
         async with node.channel_lock:
-            if node.channel is None or node.channel.closed:
+            if node.channel is not None and node.channel.closed:
+                await node.channel.aclose()
+                node.channel = None
+            if node.channel is None and time.monotonic() >= node.direct_after:
                 host, port, token = await self._call_on(node, "channel")
-                try:
-                    node.channel = await Channel.connect(host, port, token)
-                except OSError as exc:
-                    logger.warning("no direct channel to node %s (%s): its calls go through Ray", node.node_id, exc)
-                    node.direct = False
-                    return None
+                node.channel = await Channel.connect(host, port, token, CHANNEL_CONNECT_SECONDS)
+                if node.channel is None:
+                    logger.warning(
+                        "node %s cannot be reached at %s:%d: its calls go through Ray for %g s",
+                        node.node_id, host, port, CHANNEL_RETRY_SECONDS,
+                    )  # fmt: skip
+                    node.direct_after = time.monotonic() + CHANNEL_RETRY_SECONDS
         return node.channel
 
     def _node(self, node_id: str) -> _Node:
@@ -673,6 +734,11 @@ class Cluster:
     async def _answer(self, node: _Node, ref: ray.ObjectRef, cancel: Callable[[], object] | None = None) -> Any:
         try:
             return await _resolve(ref, cancel)
+        except ray.exceptions.ActorUnavailableError:
+            # Unreachable for now (Ray retries its connection): not dead.
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE, f"the sandboxns backend of node {node.node_id} is unreachable for now"
+            ) from None
         except ray.exceptions.RayActorError as exc:
             node.alive = False
             raise SandboxError(
@@ -680,10 +746,7 @@ class Cluster:
                 f"the sandboxns backend of node {node.node_id} is gone ({type(exc).__name__})",
             ) from None
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, SandboxError):
-                raise SandboxError(cause.code, cause.message) from None
-            raise cause from exc
+            raise _as_raised(exc.cause, node) from exc
 
     def _check_open(self) -> None:
         if self._closed:

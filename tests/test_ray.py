@@ -13,6 +13,8 @@ import os
 import pickle
 import shutil
 import signal
+import socket
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +33,7 @@ else:
 
 from ray.cluster_utils import Cluster
 
+import sandboxns._channel
 import sandboxns.ray
 
 # A node that dies is noticed within about half a second.
@@ -366,12 +369,94 @@ async def test_a_channel_without_the_token_unpickles_nothing(cluster, tmp_path, 
         presented = {"wrong": bytes(len(right)), "too long": right + b"x", "none": b""}[token]
         frames = [presented] if presented else []
         frames.append(pickle.dumps((0, "session_call", (_Planted(planted),))))
-        for frame in frames:
-            await stream.send_all(len(frame).to_bytes(4, "big") + frame)
+        await stream.send_all(b"".join(map(framed, frames)))
         with trio.fail_after(20):  # closed on us (a missing token: after the handshake time)
             while await stream.receive_some():
                 pass
     assert not planted.exists()
+
+
+def framed(payload: bytes) -> bytes:
+    """A frame of the channel's protocol."""
+    return len(payload).to_bytes(sandboxns._channel.HEADER_BYTES, "big") + payload
+
+
+async def raw_channel(cluster, node: str):
+    """An authenticated connection to a node's channel, spoken by hand."""
+    host, port, token = await cluster._call(node, "channel")
+    stream = await trio.open_tcp_stream(host, port)
+    await stream.send_all(framed(token))
+    return stream
+
+
+async def reply(stream) -> tuple:
+    """The next answer on a raw channel (within 10 s)."""
+    header = sandboxns._channel.HEADER_BYTES
+    received = b""
+    with trio.fail_after(10):
+        while len(received) < header or len(received) < header + int.from_bytes(received[:header], "big"):
+            received += await stream.receive_some()
+    return pickle.loads(received[header:])
+
+
+async def test_nothing_a_peer_sends_stops_the_backend(cluster):
+    node = cluster.nodes[0]
+    template = await cluster.prewarm(template="peers", files={})
+    handle = await cluster.create(template=template.template_key, node=node)
+    host, port, _ = await cluster._call(node, "channel")
+    # A port scan's connection: one byte, then a reset.
+    scan = socket.create_connection((host, port))
+    scan.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    scan.send(b"x")
+    scan.close()
+    # An authenticated peer sending garbage: its connection ends.
+    for payload in (b"not a pickle", pickle.dumps("no tuple")):
+        async with await raw_channel(cluster, node) as stream:
+            await stream.send_all(framed(payload))
+            with trio.fail_after(20):
+                while await stream.receive_some():
+                    pass
+    # A call of no method: refused, and the connection serves on.
+    async with await raw_channel(cluster, node) as stream:
+        await stream.send_all(framed(pickle.dumps((1, "no such call", ()))))
+        call_id, failed, outcome = await reply(stream)
+        assert (call_id, failed, outcome.code) == (1, True, ErrorCode.SANDBOX_INVALID_ARGUMENT)
+        await stream.send_all(framed(pickle.dumps((2, "session_call", (handle.session_id, "read_file", ("x",), {})))))
+        assert (await reply(stream))[2].code == ErrorCode.SANDBOX_NOT_FOUND
+    # Too many connections waiting to authenticate: the extra one is closed.
+    waiting = [await trio.open_tcp_stream(host, port) for _ in range(sandboxns._channel.PENDING_HANDSHAKES)]
+    async with await trio.open_tcp_stream(host, port) as extra:
+        with trio.fail_after(5):
+            assert await extra.receive_some() == b""
+    for stream in waiting:
+        await stream.aclose()
+    # The backend serves on, its session and new ones alike.
+    assert (await sh(handle, "echo alive")).stdout == "alive\n"
+    async with await cluster.create(template=template.template_key, node=node) as other:
+        assert (await sh(other, "echo fresh")).stdout == "fresh\n"
+        await other.delete()
+    await handle.delete()
+
+
+async def test_a_cancel_right_behind_its_call_is_not_lost(cluster):
+    template = await cluster.prewarm(template="prompt-cancel", files={})
+    async with await cluster.create(template=template.template_key) as handle:
+        call = (7, "session_call", (handle.session_id, "run", ("sleep", ["30"]), {}))
+        async with await raw_channel(cluster, handle.node) as stream:
+            # The call and its cancel in one segment: read in one go.
+            await stream.send_all(framed(pickle.dumps(call)) + framed(pickle.dumps((7, "cancel", ()))))
+            call_id, failed, outcome = await reply(stream)
+        assert (call_id, failed, outcome.code) == (7, True, ErrorCode.SANDBOX_STOPPED)
+        await handle.delete()
+
+
+async def test_output_of_any_size_comes_back(cluster):
+    template = await cluster.prewarm(template="large", files={})
+    async with await cluster.create(template=template.template_key) as handle:
+        size = 70 * 1024 * 1024  # over any frame size a channel might have fixed
+        result = await handle.session.run("head", ["-c", str(size), "/dev/zero"], max_output_bytes=size)
+        assert len(result.stdout_bytes) == size and not result.truncated
+        await handle.delete()
 
 
 async def test_pools_on_every_node_serve_creates(cluster, tmp_path):
