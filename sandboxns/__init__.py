@@ -23,6 +23,7 @@ from ._gateway import AuditRecord
 from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
+from ._rootfs_images import Image
 from ._session import RunResult, Session, create_sandbox_session, normalize_path
 from ._snapshots import Snapshot
 from ._spec import InstallResult, SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
@@ -41,6 +42,7 @@ __all__ = [
     "DirEntry",
     "ErrorCode",
     "ExitStatus",
+    "Image",
     "InstallResult",
     "Mount",
     "NativeDriver",

@@ -68,6 +68,7 @@ from ._layers import copy_tree, merge_layers, move_tree, remove_tree
 from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
+from ._rootfs_images import Image, ImageStore
 from ._session import Session, check_seconds, create_sandbox_session
 from ._snapshots import (
     MAX_STACK_DEPTH,
@@ -666,6 +667,7 @@ class Backend:
         self._nursery = nursery
         self._slots = CommandSlots(max_concurrent_commands)
         self._templates = TemplateStore(state_directory / "templates")
+        self._images = ImageStore(state_directory / "images")
         self._snapshots = SnapshotStore(state_directory / "snapshots")
         self._sessions = state_directory / "sessions"
         self._overlay = self._driver_class.supports_overlay
@@ -686,6 +688,26 @@ class Backend:
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the backend is closed")
+
+    async def import_image(self, path: str | os.PathLike[str]) -> Image:
+        """Import a root filesystem image (an OCI image layout, as a
+        directory or a tar, or a plain root filesystem directory or tar)
+        into the state directory, and return it; see _rootfs_images. The
+        same image again is the same digest, imported once."""
+        self._check_open()
+        if not isinstance(path, (str, os.PathLike)):
+            raise invalid_argument(f"path must be a path, not {path!r}")
+        return await trio.to_thread.run_sync(self._images.import_path, path)
+
+    async def images(self) -> list[Image]:
+        """The images imported here."""
+        self._check_open()
+        return await trio.to_thread.run_sync(self._images.list)
+
+    async def delete_image(self, digest: str) -> None:
+        """Remove an imported image (SANDBOX_NOT_FOUND if there is none)."""
+        self._check_open()
+        await trio.to_thread.run_sync(self._images.delete, digest)
 
     async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
         """Snapshot ``files`` (workspace path -> bytes) as a template. The

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ from ._errors import ErrorCode, SandboxError
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
+from ._rootfs_images import ImageStore
 from ._session import DEFAULT_TIMEOUT, Session, check_command
 from ._snapshots import SnapshotStore, snapshot_id_of
 from ._spec import SandboxSpec
@@ -279,6 +281,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     delete.add_argument("snapshot", help="snapshot id (from 'snapshot list')")
+    image = commands.add_parser(
+        "image",
+        help="import, list or delete root filesystem images in a state directory",
+        description="An image is an OCI image layout (a directory, or a tar of one: skopeo copy ... oci:, "
+        "podman save --format oci-archive) or a plain root filesystem (a directory or a tar: docker export, "
+        "debootstrap). Imported once, content-addressed by its digest.",
+    )
+    image_commands = image.add_subparsers(dest="image_command", required=True)
+    importing = image_commands.add_parser("import", help="import an image and print its digest")
+    importing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    importing.add_argument("path", help="the image: a directory or a tar")
+    listing = image_commands.add_parser("list", help="show every image")
+    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    listing.add_argument("--json", action="store_true", help="one JSON list of the images")
+    delete = image_commands.add_parser("delete", help="delete an image")
+    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete.add_argument("digest", help="the image's digest (sha256:...)")
     mcp = commands.add_parser(
         "mcp",
         help="serve a sandbox session's coding tools over MCP (stdio)",
@@ -334,6 +353,24 @@ def _snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image(args: argparse.Namespace) -> int:
+    store = ImageStore(args.state_dir / "images")
+    if args.image_command == "import":
+        image = store.import_path(args.path)
+        print(image.digest)
+        for skipped in image.skipped:
+            print(f"skipped {skipped}", file=sys.stderr)
+    elif args.image_command == "delete":
+        store.delete(args.digest)
+        print(f"{args.digest}  deleted")
+    elif args.json:
+        print(json.dumps([dataclasses.asdict(image) for image in store.list()], indent=1))
+    else:
+        for image in store.list():
+            print(f"{image.digest}  {image.layers} layer(s)  {image.source}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.subcommand == "doctor":
@@ -349,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _gc(args)
         if args.subcommand == "snapshot":
             return _snapshot(args)
+        if args.subcommand == "image":
+            return _image(args)
         if args.subcommand == "validate":
             return _validate(args)
         if args.subcommand == "exec":
