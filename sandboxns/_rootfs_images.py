@@ -156,15 +156,9 @@ class ImageStore:
 
 
 def _image(described: dict) -> Image:
-    return Image(
-        digest=described["digest"],
-        env=dict(described["env"]),
-        working_dir=described["working_dir"],
-        user=described["user"],
-        layers=described["layers"],
-        skipped=tuple(described["skipped"]),
-        source=described["source"],
-    )
+    """An image record (as JSON made it: lists for tuples)."""
+    fields = {field.name: described[field.name] for field in dataclasses.fields(Image)}
+    return Image(**{**fields, "skipped": tuple(fields["skipped"])})
 
 
 def _remove_tree(path: Path) -> None:
