@@ -14,13 +14,14 @@ mounts it::
     images/<hex>/image.json     its digest, config and what was skipped
 
 Unpacking never follows a link: each path is opened one component at a time
-under the tree's directory fd (O_NOFOLLOW). An entry whose path leaves the
-root, goes through a symbolic link, or is a hard link to nothing unpacked
-before is refused (SANDBOX_INVALID_ARGUMENT naming it), as is a relative
-symbolic link that climbs above the root; absolute ones are kept (in a
-guest they resolve inside the image). Device nodes and FIFOs are skipped
-and reported; set-id bits and ownership are dropped. An import that fails
-leaves nothing behind.
+under the tree's directory fd (O_NOFOLLOW), and the host never follows a
+link of an imported tree afterwards either (a session sees it as its root,
+where every link resolves inside the image). An entry whose path leaves the
+root or goes through a symbolic link, a hard link to nothing unpacked
+before, a path deeper than MAX_DEPTH, or a layer that is no tar is refused
+(SANDBOX_INVALID_ARGUMENT naming the layer and the entry). Device nodes and
+FIFOs are skipped and reported; set-id bits and ownership are dropped. An
+import that fails leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import secrets
 import shutil
 import stat
 import tarfile
+import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Self
@@ -65,6 +68,12 @@ MANIFEST_TYPES = (
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Kept from a layer's mode: permissions and the sticky bit, never set-id.
 KEPT_MODE = 0o1777
+# The most path components an entry may have (removing a tree recurses).
+MAX_DEPTH = 128
+# An interrupted import's staging directory older than this is swept.
+STALE_IMPORT_SECONDS = 3600.0
+# Host failures, not the image's: SANDBOX_UNAVAILABLE rather than a refusal.
+HOST_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 _CHUNK = 1 << 20
 
 
@@ -114,7 +123,10 @@ class ImageStore:
         with contextlib.suppress(FileNotFoundError):
             for entry in sorted(self.root.iterdir()):
                 if not entry.name.startswith(".") and (entry / RECORD_NAME).is_file():
-                    images.append(_image(json.loads((entry / RECORD_NAME).read_text())))
+                    try:
+                        images.append(_image(json.loads((entry / RECORD_NAME).read_text())))
+                    except (ValueError, KeyError, TypeError):
+                        continue  # not a record this version wrote: not an image of ours
         return images
 
     def delete(self, digest: str) -> None:
@@ -135,24 +147,45 @@ class ImageStore:
         if not source.exists():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no image at {source}")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep()
         staging = self.root / f".import-{secrets.token_hex(8)}"
         try:
             (staging / ROOT_NAME).mkdir(parents=True)
             with _Tree(staging / ROOT_NAME) as tree:
                 described = _unpack(source, tree)
-            digest = described["digest"]
             (staging / RECORD_NAME).write_text(json.dumps(described))
-            try:
-                os.rename(staging, self.root / digest.removeprefix("sha256:"))
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                # Imported already (or meanwhile): the same content.
+            self._place(staging, self.root / described["digest"].removeprefix("sha256:"))
             return _image(described)
         except _Refused as refusal:
             raise invalid_argument(f"{source}: {refusal}") from None
+        except OSError as exc:
+            if exc.errno in HOST_ERRNOS:
+                raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot import {source}: {exc}") from exc
+            raise invalid_argument(f"{source}: not an image this can import ({exc})") from None
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, EOFError, tarfile.TarError) as exc:
+            raise invalid_argument(f"{source}: not an image this can import ({type(exc).__name__}: {exc})") from None
         finally:
             _remove_tree(staging)
+
+    @staticmethod
+    def _place(staging: Path, target: Path) -> None:
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            if (target / RECORD_NAME).is_file():
+                return  # imported already (or meanwhile): the same content
+            # What a delete left half done: it goes, this takes its place.
+            _remove_tree(target)
+            os.rename(staging, target)
+
+    def _sweep(self) -> None:
+        """Remove what imports that were killed left behind."""
+        for entry in self.root.glob(".import-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime > STALE_IMPORT_SECONDS:
+                    _remove_tree(entry)
 
 
 def _image(described: dict) -> Image:
@@ -183,12 +216,18 @@ class _Blobs:
 
     def __init__(self, source: Path) -> None:
         self._directory = source if source.is_dir() else None
-        self._tar = None if self._directory else tarfile.open(source)  # noqa: SIM115 - closed by close()
+        self._file = None if self._directory else _open_regular(source, follow=True)
+        try:
+            self._tar = None if self._file is None else tarfile.open(fileobj=self._file)  # noqa: SIM115 - closed by close()
+        except BaseException:
+            self._file.close()
+            raise
         self._members = {} if self._tar is None else {_clean(m.name): m for m in self._tar.getmembers()}
 
     def close(self) -> None:
         if self._tar is not None:
             self._tar.close()
+            self._file.close()
 
     def has(self, name: str) -> bool:
         if self._directory is not None:
@@ -197,7 +236,7 @@ class _Blobs:
 
     def open(self, name: str) -> IO[bytes]:
         if self._directory is not None:
-            return open(self._directory / name, "rb")
+            return _open_regular(self._directory / name, follow=False)
         member = self._members.get(name)
         extracted = self._tar.extractfile(member) if member is not None and member.isfile() else None
         if extracted is None:
@@ -240,11 +279,37 @@ def _unpack(source: Path, tree: _Tree) -> dict:
     return _unpack_rootfs_tar(source, tree)
 
 
+def _open_regular(path: Path, follow: bool, expected: os.stat_result | None = None) -> IO[bytes]:
+    """A regular file, opened for reading without waiting (a FIFO, a
+    device or, unless ``follow``, a symbolic link is refused; with
+    ``expected``, so is another file than the one looked at)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Refused(f"{path.name} is a symbolic link, not a file") from None
+        raise
+    info = os.fstat(fd)
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or expected is not None
+        and (info.st_dev, info.st_ino)
+        != (
+            expected.st_dev,
+            expected.st_ino,
+        )
+    ):
+        os.close(fd)
+        raise _Refused(f"{path.name} is not a regular file (or changed while it was read)")
+    return os.fdopen(fd, "rb")
+
+
 def _is_layout(source: Path) -> bool:
     if source.is_dir():
         return (source / "oci-layout").is_file()
     try:
-        with tarfile.open(source) as archive:
+        with _open_regular(source, follow=True) as raw, tarfile.open(fileobj=raw) as archive:
             return any(_clean(name) == "oci-layout" for name in archive.getnames())
     except (tarfile.TarError, OSError) as exc:
         raise _Refused(f"neither a directory nor a tar: {exc}") from None
@@ -297,16 +362,16 @@ def _layer_stream(blobs: _Blobs, name: str, compressed: bool) -> Iterator[Entrie
 
 def _unpack_rootfs_tar(source: Path, tree: _Tree) -> dict:
     hasher = hashlib.sha256()
-    with open(source, "rb") as file:
+    with _open_regular(source, follow=True) as file:
         while chunk := file.read(_CHUNK):
             hasher.update(chunk)
 
     @contextlib.contextmanager
     def stream() -> Iterator[Entries]:
-        with open(source, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as layer:
+        with _open_regular(source, follow=True) as raw, tarfile.open(fileobj=raw, mode="r|*") as layer:
             yield _entries_of(layer)
 
-    tree.apply_layer(stream, "the root filesystem")
+    tree.apply_layer(stream, "the root filesystem", whiteouts=False)
     return _described(f"sha256:{hasher.hexdigest()}", {}, 1, tree, str(source))
 
 
@@ -317,29 +382,41 @@ def _unpack_directory(source: Path, tree: _Tree) -> dict:
     hasher = hashlib.sha256()
     for path in sorted(_walk(source)):
         info = os.lstat(source / path)
-        hasher.update(f"{path}\0{stat.S_IFMT(info.st_mode)}\0{info.st_mode & KEPT_MODE}\0".encode())
         if stat.S_ISLNK(info.st_mode):
-            hasher.update(os.readlink(source / path).encode())
+            content = os.readlink(source / path)
         elif stat.S_ISREG(info.st_mode):
-            with open(source / path, "rb") as file:
+            content_hash = hashlib.sha256()
+            with _open_regular(source / path, follow=False, expected=info) as file:
                 while chunk := file.read(_CHUNK):
-                    hasher.update(chunk)
-        hasher.update(b"\0")
+                    content_hash.update(chunk)
+            content = content_hash.hexdigest()
+        else:
+            content = ""
+        # One JSON line per entry: no field can pass for another.
+        hasher.update(json.dumps([path, stat.S_IFMT(info.st_mode), info.st_mode & KEPT_MODE, content]).encode() + b"\n")
+
+    def describe(describer: tarfile.TarFile, path: str) -> tuple[tarfile.TarInfo, Callable[[], IO[bytes]]]:
+        info = os.lstat(source / path)
+        header = describer.gettarinfo(source / path, arcname=path)
+        if header is None:  # a socket: not for an image
+            header = tarfile.TarInfo(path)
+            header.type = tarfile.FIFOTYPE
+        return header, functools.partial(_open_regular, source / path, False, info)
 
     @contextlib.contextmanager
     def stream() -> Iterator[Entries]:
         with tarfile.open(fileobj=io.BytesIO(), mode="w") as describer:
-            yield (
-                (describer.gettarinfo(source / path, arcname=path), functools.partial(open, source / path, "rb"))
-                for path in sorted(_walk(source))
-            )
+            yield (describe(describer, path) for path in sorted(_walk(source)))
 
-    tree.apply_layer(stream, "the root filesystem")
+    tree.apply_layer(stream, "the root filesystem", whiteouts=False)
     return _described(f"sha256:{hasher.hexdigest()}", {}, 1, tree, str(source))
 
 
 def _walk(source: Path) -> Iterator[str]:
-    for directory, names, files in os.walk(source):
+    def unreadable(exc: OSError) -> None:
+        raise exc
+
+    for directory, names, files in os.walk(source, onerror=unreadable):
         relative = os.path.relpath(directory, source)
         for name in names + files:
             yield name if relative == "." else f"{relative}/{name}"
@@ -379,6 +456,7 @@ class _Tree:
     def __init__(self, root: Path) -> None:
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         self.skipped: list[str] = []
+        self._current: str | None = None  # the entry being applied
 
     def __enter__(self) -> Self:
         return self
@@ -386,33 +464,63 @@ class _Tree:
     def __exit__(self, *exc_info: object) -> None:
         os.close(self._root_fd)
 
-    def apply_layer(self, open_layer: Any, what: str) -> None:
+    def apply_layer(self, open_layer: Any, what: str, whiteouts: bool = True) -> None:
         """A layer's whiteouts first (they hide what the layers below
-        made), then its entries."""
-        with open_layer() as entries:
-            for member, _ in entries:
-                parts = self._parts(member.name, what)
-                if parts and parts[-1] == OPAQUE_MARKER:
-                    self._empty(parts[:-1], what, member.name)
-                elif parts and parts[-1].startswith(WHITEOUT_PREFIX):
-                    self._remove(parts[:-1] + [parts[-1].removeprefix(WHITEOUT_PREFIX)], what, member.name)
-        with open_layer() as entries:
+        made), then its entries (a plain root filesystem has nothing below:
+        its files named like whiteouts are files)."""
+        if whiteouts:
+            with self._reading(what), open_layer() as entries:
+                for member, _ in entries:
+                    self._current = member.name
+                    parts = self._parts(member.name, what)
+                    if parts and parts[-1] == OPAQUE_MARKER:
+                        self._empty(parts[:-1], what, member.name)
+                    elif parts and parts[-1].startswith(WHITEOUT_PREFIX):
+                        hidden = parts[-1].removeprefix(WHITEOUT_PREFIX)
+                        if hidden in ("", ".", ".."):
+                            raise _Refused(f"{what}: whiteout {member.name!r} names no entry")
+                        self._remove(parts[:-1] + [hidden], what, member.name)
+        with self._reading(what), open_layer() as entries:
             for member, content in entries:
+                self._current = member.name
                 parts = self._parts(member.name, what)
-                if not parts or parts[-1].startswith(WHITEOUT_PREFIX):
+                if not parts or whiteouts and parts[-1].startswith(WHITEOUT_PREFIX):
                     continue
                 self._add(member, content, parts, what)
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[None]:
+        """A layer's failures as refusals naming it and the entry at hand
+        (a truncated or garbled tar, a name the file system refuses)."""
+        self._current = None
+        try:
+            yield
+        except _Refused:
+            raise
+        except OSError as exc:
+            if exc.errno in HOST_ERRNOS:
+                raise
+            raise _Refused(f"{what}: entry {self._current!r}: {exc.strerror or exc}") from None
+        except (EOFError, tarfile.TarError, zlib.error, ValueError, IndexError) as exc:
+            at = f"after entry {self._current!r}" if self._current else "at its start"
+            raise _Refused(f"{what} is not a readable tar ({at}): {exc}") from None
 
     def _parts(self, name: str, what: str) -> list[str]:
         parts = [part for part in name.split("/") if part not in ("", ".")]
         if ".." in parts:
             raise _Refused(f"{what}: entry {name!r} leaves the image root")
+        if len(parts) > MAX_DEPTH:
+            raise _Refused(f"{what}: entry {name[:200]!r}... is deeper than {MAX_DEPTH} directories")
         return parts
 
     @contextlib.contextmanager
-    def _parent(self, parts: list[str], what: str, name: str, create: bool) -> Iterator[int | None]:
+    def _parent(
+        self, parts: list[str], what: str, name: str, create: bool, hides: bool = False
+    ) -> Iterator[int | None]:
         """The directory fd of an entry's parent (made if ``create``), or
-        None if it is not there; a symbolic link on the way is refused."""
+        None if it is not there; a symbolic link on the way is refused,
+        except for a whiteout (``hides``): there is nothing to hide below a
+        link or a file, as overlayfs makes a directory over them opaque."""
         fd = os.dup(self._root_fd)
         try:
             for part in parts[:-1]:
@@ -425,6 +533,9 @@ class _Tree:
                     os.mkdir(part, 0o755, dir_fd=fd)
                     child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and hides:
+                        yield None
+                        return
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise _Refused(f"{what}: entry {name!r} goes through a non-directory ({part})") from None
                     raise
@@ -435,12 +546,12 @@ class _Tree:
             os.close(fd)
 
     def _remove(self, parts: list[str], what: str, name: str) -> None:
-        with self._parent(parts, what, name, create=False) as parent:
+        with self._parent(parts, what, name, create=False, hides=True) as parent:
             if parent is not None:
                 _remove_at(parent, parts[-1])
 
     def _empty(self, parts: list[str], what: str, name: str) -> None:
-        with self._parent(parts + ["."], what, name, create=False) as directory:
+        with self._parent(parts + ["."], what, name, create=False, hides=True) as directory:
             if directory is not None:
                 for entry in os.listdir(directory):
                     _remove_at(directory, entry)
@@ -467,11 +578,13 @@ class _Tree:
                 return
             _remove_at(parent, last)
             if member.issym():
-                if not member.linkname.startswith("/") and _climbs(parts[:-1], member.linkname):
-                    raise _Refused(f"{what}: symbolic link {name!r} points above the image root")
+                if not member.linkname:
+                    raise _Refused(f"{what}: symbolic link {name!r} has no target")
                 os.symlink(member.linkname, last, dir_fd=parent)
             elif member.islnk():
                 target = self._parts(member.linkname, what)
+                if not target:
+                    raise _Refused(f"{what}: hard link {name!r} names the root")
                 with self._parent(target, what, member.linkname, create=False) as source:
                     try:
                         if source is None:
@@ -486,18 +599,6 @@ class _Tree:
                     os.fchmod(out.fileno(), mode)
             else:
                 self.skipped.append(f"{what}: {'/'.join(parts)} (an entry of tar type {member.type!r})")
-
-
-def _climbs(directory: list[str], target: str) -> bool:
-    depth = len(directory)
-    for part in target.split("/"):
-        if part == "..":
-            depth -= 1
-            if depth < 0:
-                return True
-        elif part not in ("", "."):
-            depth += 1
-    return False
 
 
 def _chmod_directory(parent: int, name: str, mode: int) -> None:
