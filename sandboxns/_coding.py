@@ -940,8 +940,8 @@ class _Implementation:
         await self.require_path(guest_cwd)
         await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
         # A stop or policy change while the host decided is a refusal
-        # (nothing ran); from here on, a stop is one under the command.
-        binding.check_live()
+        # (nothing ran: execute checks both first); from there on, a stop
+        # is one under the command.
         command = CapturedCommand(
             argv, env, guest_cwd, timeout, self.limits.max_artifact_bytes, CANCEL_GRACE, generation
         )

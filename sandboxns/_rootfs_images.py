@@ -59,7 +59,6 @@ LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar": None,
     "application/vnd.oci.image.layer.v1.tar+gzip": "gzip",
     "application/vnd.docker.image.rootfs.diff.tar.gzip": "gzip",
-    "application/vnd.oci.image.layer.v1.tar+zstd": "zstd",
 }
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
@@ -106,17 +105,6 @@ class ImageStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-
-    def root_of(self, digest: str) -> Path:
-        return self.root / check_digest(digest).removeprefix("sha256:") / ROOT_NAME
-
-    def get(self, digest: str) -> Image:
-        record = self.root / check_digest(digest).removeprefix("sha256:") / RECORD_NAME
-        try:
-            described = json.loads(record.read_text())
-        except FileNotFoundError:
-            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no image {digest} in {self.root}") from None
-        return _image(described)
 
     def list(self) -> list[Image]:
         images = []
@@ -229,11 +217,6 @@ class _Blobs:
             self._tar.close()
             self._file.close()
 
-    def has(self, name: str) -> bool:
-        if self._directory is not None:
-            return (self._directory / name).is_file()
-        return name in self._members
-
     def open(self, name: str) -> IO[bytes]:
         if self._directory is not None:
             return _open_regular(self._directory / name, follow=False)
@@ -334,7 +317,7 @@ def _unpack_layout(source: Path, tree: _Tree) -> dict:
         for number, descriptor in enumerate(layers, 1):
             name, digest = blobs.blob(descriptor)
             media_type = descriptor.get("mediaType", "application/vnd.oci.image.layer.v1.tar")
-            if media_type not in LAYER_TYPES or LAYER_TYPES[media_type] == "zstd":
+            if media_type not in LAYER_TYPES:
                 raise _Refused(f"layer {number} ({digest}) has an unsupported type {media_type}")
             compressed = LAYER_TYPES[media_type] == "gzip"
             tree.apply_layer(functools.partial(_layer_stream, blobs, name, compressed), f"layer {number}")

@@ -559,10 +559,10 @@ class Cluster:
             options["state"] = {key: value for key, value in state.items() if key != "node"}
         if node is None:
             node = await self._least_loaded()
-        elif node not in self._nodes or not self._nodes[node].alive:
+        elif node not in self.nodes:
             code = ErrorCode.SANDBOX_STATE_MISMATCH if state is not None else ErrorCode.SANDBOX_NOT_FOUND
             raise SandboxError(code, f"node {node} has no sandboxns backend in this cluster")
-        backend = self._node(node)
+        backend = self._nodes[node]
         described = await self._call_on(backend, "create", options)
         return RemoteSessionHandle(self, backend, described)
 
