@@ -154,6 +154,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         {"seccomp-relax", required_argument, NULL, 'r'}, {"seccomp-deny", required_argument, NULL, 'd'},
         {"host-ids", required_argument, NULL, 'i'},  {"proxy-port", required_argument, NULL, 'p'},
         {"template-store", required_argument, NULL, 'T'}, {"snapshot-store", required_argument, NULL, 'S'},
+        {"image-root", required_argument, NULL, 'R'},
         {NULL, 0, NULL, 0},
     };
     unsigned long long number;
@@ -163,7 +164,7 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
     cfg->commands.tmp_bytes = SBX_TMP_BYTES;
     cfg->outer_uid = getuid();
     cfg->outer_gid = getgid();
-    cfg->prepared.workspace = cfg->prepared.overlay_tree = cfg->prepared.gateway_dir = -1;
+    cfg->prepared.workspace = cfg->prepared.overlay_tree = cfg->prepared.gateway_dir = cfg->prepared.image_root = -1;
     for (int i = 0; i < MAX_OVERLAY_LOWERS; i++)
         cfg->prepared.overlay_lowers[i] = -1;
     for (int i = 0; i < NSTORES; i++)
@@ -227,6 +228,11 @@ static int parse_args(int argc, char **argv, struct holder_config *cfg, struct s
         case 'S':
             cfg->stores[STORE_SNAPSHOTS] = optarg;
             break;
+        case 'R':
+            if (optarg[0] != '/')
+                return fail(err, "arguments", EINVAL, "bad --image-root %s (want an absolute path)", optarg);
+            cfg->image_root = optarg;
+            break;
         case 'p':
             if (parse_number(optarg, 65535, &number) < 0 || number == 0)
                 return fail(err, "arguments", EINVAL, "bad --proxy-port %s", optarg);
@@ -260,7 +266,8 @@ static void reset_signals(void)
     sigprocmask(SIG_SETMASK, &none, NULL);
 }
 
-/* The overlay's prepared layers, which the overlay holds on to by now. */
+/* The prepared layers of the workspace's overlay and of the root's, which
+ * the overlays hold on to by now. */
 static void close_prepared_layers(const struct prepared_trees *prepared)
 {
     if (prepared->overlay_tree >= 0)
@@ -271,6 +278,8 @@ static void close_prepared_layers(const struct prepared_trees *prepared)
     for (int i = 0; i < NSTORES; i++)
         if (prepared->stores[i] >= 0)
             close(prepared->stores[i]);
+    if (prepared->image_root >= 0)
+        close(prepared->image_root);
 }
 
 static volatile pid_t holder_pid;
@@ -315,6 +324,10 @@ int main(int argc, char **argv)
         return bwrap_init_main(argc, argv);
     if (argc > 1 && strcmp(argv[1], "--enter") == 0)
         return enter_main(argc, argv);
+    /* What the bwrap driver runs to see that a session starts at all: the
+     * one program every guest has, whatever its root filesystem. */
+    if (argc == 2 && strcmp(argv[1], "--version") == 0)
+        return puts("sandboxns-holder") == EOF;
     reset_signals();
     if (parse_args(argc, argv, &cfg, &err) < 0 || compile_seccomp(&cfg, &err) < 0 ||
         (cfg.host_ids && userns_prepare_host_ids(&cfg, &err) < 0) || userns_enter(&cfg, &err) < 0 ||

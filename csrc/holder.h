@@ -45,6 +45,7 @@ struct prepared_trees {
     int overlay_lowers[MAX_OVERLAY_LOWERS]; /* the overlay's read-only layers */
     int stores[NSTORES];
     int gateway_dir;
+    int image_root;
 };
 
 /* An overlay workspace's layers as the holder keeps them (overlay.c): fds of
@@ -80,6 +81,7 @@ struct holder_config {
     const char *overlay_work;  /* overlayfs's scratch directory, beside the upper */
     const char *stores[NSTORES]; /* enum layer_store: where later layers come from, or NULL */
     const char *gateway_dir;    /* host path of the egress gateway's directory, or NULL */
+    const char *image_root;     /* --image-root: the guest's / is this tree, not the host's, or NULL */
     unsigned int proxy_port;    /* --proxy-port: listen for the gateway's proxy there, or 0 */
     const char *hostname;
     int share_network;

@@ -38,6 +38,8 @@ struct plan {
     char symlinks[6][2][PATH_MAX]; /* runtime dirs the host has as symlinks, the gateway's socket */
     int nsymlinks;
     char resolv_conf[4096];
+    int image_root;       /* the image's tree (a detached mount), or -1 */
+    int image_root_owned; /* ours to close (not a root host's prepared clone) */
 };
 
 static const char *const runtime_dirs[] = {"usr", "bin", "sbin", "lib", "lib64"};
@@ -100,21 +102,25 @@ static int join_lowers(char *out, size_t size, const char *const *lowers, int nl
 
 /* "lowerdir+" (Linux 6.8) takes one path verbatim, topmost first; older
  * kernels parse "lowerdir" as a list. */
-static int set_layers(int fs, const char *const *lowers, int nlowers, const char *upper, const char *work)
+static int set_lowers(int fs, const char *const *lowers, int nlowers)
 {
     static char joined[MAX_OVERLAY_LOWERS * PATH_MAX];
     int appended = 0;
 
     while (appended < nlowers && sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir+", lowers[appended], 0) == 0)
         appended++;
-    if (appended == 0) {
-        if (join_lowers(joined, sizeof joined, lowers, nlowers) < 0 ||
-            sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", joined, 0) < 0)
-            return -1;
-    } else if (appended < nlowers) {
-        return -1;
-    }
-    if (sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", upper, 0) < 0 ||
+    if (appended == 0)
+        return join_lowers(joined, sizeof joined, lowers, nlowers) < 0 ||
+                       sys_fsconfig(fs, FSCONFIG_SET_STRING, "lowerdir", joined, 0) < 0
+                   ? -1
+                   : 0;
+    return appended < nlowers ? -1 : 0;
+}
+
+static int set_layers(int fs, const char *const *lowers, int nlowers, const char *upper, const char *work)
+{
+    if (set_lowers(fs, lowers, nlowers) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_SET_STRING, "upperdir", upper, 0) < 0 ||
         sys_fsconfig(fs, FSCONFIG_SET_STRING, "workdir", work, 0) < 0)
         return -1;
     return 0;
@@ -317,10 +323,8 @@ static int read_small_file(const char *path, char *buf, size_t size)
     return 0;
 }
 
-/* Everything the root needs from the host, gathered while the host's
- * filesystem is still visible. */
-static int collect_host_trees(const struct holder_config *cfg, struct plan *plan, struct overlay_stack *stack,
-                              struct sbx_report *err)
+/* The host's runtime trees, for a guest whose root is the host's. */
+static int collect_runtime_trees(struct plan *plan, struct sbx_report *err)
 {
     char path[PATH_MAX];
 
@@ -352,6 +356,39 @@ static int collect_host_trees(const struct holder_config *cfg, struct plan *plan
      * a dozen directories on every exec. */
     if (access("/etc/ld.so.cache", R_OK) == 0 &&
         clone_tree(plan, "/etc/ld.so.cache", "etc/ld.so.cache", RUNTIME_RO, -1, err) < 0)
+        return -1;
+    return 0;
+}
+
+/* An image's root filesystem (see mount_image_root), cloned read-only, or
+ * the clone a root host prepared. */
+static int collect_image_root(const struct holder_config *cfg, struct plan *plan, struct sbx_report *err)
+{
+    int fd = cfg->prepared.image_root;
+
+    if (fd < 0) {
+        fd = sys_open_tree(AT_FDCWD, cfg->image_root, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+        if (fd < 0)
+            return fail(err, "image", errno, "cannot clone the image root %s: %s", cfg->image_root, strerror(errno));
+        if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, RUNTIME_RO) < 0) {
+            int e = errno;
+            close(fd);
+            return fail(err, "image", e, "cannot restrict the image root %s: %s", cfg->image_root, strerror(e));
+        }
+        plan->image_root_owned = 1;
+    }
+    plan->image_root = fd;
+    return 0;
+}
+
+/* Everything the root needs from the host, gathered while the host's
+ * filesystem is still visible. */
+static int collect_host_trees(const struct holder_config *cfg, struct plan *plan, struct overlay_stack *stack,
+                              struct sbx_report *err)
+{
+    char path[PATH_MAX];
+
+    if (cfg->image_root ? collect_image_root(cfg, plan, err) < 0 : collect_runtime_trees(plan, err) < 0)
         return -1;
     if (cfg->prepared.workspace < 0 && cfg->prepared.overlay_tree < 0 && !is_directory(cfg->workspace))
         return fail(err, "workspace", ENOTDIR, "workspace %s is not a directory", cfg->workspace);
@@ -529,8 +566,7 @@ static int build_dev(struct sbx_report *err)
         {"/proc/self/fd/2", "dev/stderr"}, {"/proc/kcore", "dev/core"},
     };
 
-    if (make_dir("dev", err) < 0 ||
-        mount_fs("tmpfs", "dev", MS_NOSUID | MS_NOEXEC, "mode=0755", err) < 0 ||
+    if (mount_fs("tmpfs", "dev", MS_NOSUID | MS_NOEXEC, "mode=0755", err) < 0 ||
         make_dir("dev/pts", err) < 0 || make_dir("dev/shm", err) < 0 ||
         mount_fs("devpts", "dev/pts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620",
                  err) < 0)
@@ -559,6 +595,74 @@ static int enter_new_root(struct sbx_report *err)
     return 0;
 }
 
+/* With an image, the guest's root is a read-only overlay of two layers and
+ * no upper one: on top, a skeleton on the scratch tmpfs holding what the
+ * session adds (its mount points, the synthesized /etc files, the
+ * gateway's link), and below it the image's tree. Nothing is copied, so a
+ * session starts as fast on a large image as on a small one, and nothing
+ * can write the image. A directory of the skeleton merges with the
+ * image's; a file or link of the skeleton hides the image's. Both layers
+ * are attached under NEW_ROOT, which the overlay then covers, and the
+ * holder never follows a link of the image's (see open_mount_point). */
+#define SKELETON NEW_ROOT "/.skeleton"
+#define IMAGE_LOWER NEW_ROOT "/.image"
+
+static int attach_image_root(struct plan *plan, struct sbx_report *err)
+{
+    int rc = 0;
+
+    if (mkdir(SKELETON, 0755) < 0 || mkdir(IMAGE_LOWER, 0755) < 0)
+        rc = fail(err, "image", errno, "cannot make room for the image: %s", strerror(errno));
+    else if (sys_move_mount(plan->image_root, "", AT_FDCWD, IMAGE_LOWER, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        rc = fail(err, "image", errno, "cannot attach the image's tree: %s", strerror(errno));
+    if (plan->image_root_owned)
+        close(plan->image_root);
+    return rc;
+}
+
+/* The skeleton's mount points, made before the overlay over it is
+ * read-only (attach_bind then finds them there). */
+static int make_mount_points(const struct plan *plan, struct sbx_report *err)
+{
+    for (int i = 0; i < plan->nbinds; i++) {
+        int fd = open_mount_point(&plan->binds[i], err);
+
+        if (fd < 0)
+            return -1;
+        close(fd);
+    }
+    return 0;
+}
+
+static int mount_image_root(struct sbx_report *err)
+{
+    static const char *const lowers[] = {SKELETON, IMAGE_LOWER};
+    int fs = sys_fsopen("overlay", FSOPEN_CLOEXEC), mnt, e;
+
+    if (fs < 0)
+        return fail(err, "image", errno, "cannot create an overlay for the image: %s", strerror(errno));
+    if (set_lowers(fs, lowers, 2) < 0 || overlay_set_options(fs) < 0 ||
+        sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+        e = errno;
+        close(fs);
+        return fail(err, "image", e, "cannot set up the overlay of the image: %s", strerror(e));
+    }
+    mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, RUNTIME_RO);
+    e = errno;
+    close(fs);
+    if (mnt < 0)
+        return fail(err, "image", e, "cannot mount the overlay of the image: %s", strerror(e));
+    if (sys_move_mount(mnt, "", AT_FDCWD, NEW_ROOT, MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        e = errno;
+        close(mnt);
+        return fail(err, "image", e, "cannot attach the overlay of the image: %s", strerror(e));
+    }
+    close(mnt);
+    if (chdir(NEW_ROOT) < 0)
+        return fail(err, "chdir", errno, "cannot enter the new root: %s", strerror(errno));
+    return 0;
+}
+
 int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, struct sbx_report *err)
 {
     static struct plan plan;
@@ -570,15 +674,23 @@ int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, s
         return -1;
     if (mount_fs("tmpfs", NEW_ROOT, MS_NOSUID | MS_NODEV, "mode=0755", err) < 0)
         return -1;
-    if (chdir(NEW_ROOT) < 0)
+    if (cfg->image_root && attach_image_root(&plan, err) < 0)
+        return -1;
+    if (chdir(cfg->image_root ? SKELETON : NEW_ROOT) < 0)
         return fail(err, "chdir", errno, "cannot enter the new root: %s", strerror(errno));
-    if (make_dir("etc", err) < 0 || make_dir("etc/ssl", err) < 0 || make_dir("proc", err) < 0 ||
-        make_dir("tmp", err) < 0 || make_dir("run", err) < 0 || build_dev(err) < 0)
+    if (make_dir("etc", err) < 0 || make_dir("proc", err) < 0 || make_dir("tmp", err) < 0 ||
+        make_dir("run", err) < 0 || make_dir("dev", err) < 0)
         return -1;
     for (int i = 0; i < plan.nsymlinks; i++)
         if (symlink(plan.symlinks[i][1], plan.symlinks[i][0]) < 0)
             return fail(err, "runtime", errno, "cannot link /%s: %s", plan.symlinks[i][0],
                         strerror(errno));
+    if (write_etc(cfg, &plan, err) < 0)
+        return -1;
+    if (cfg->image_root && (make_mount_points(&plan, err) < 0 || mount_image_root(err) < 0))
+        return -1;
+    if (build_dev(err) < 0)
+        return -1;
     for (int i = 0; i < plan.nbinds; i++) {
         if (attach_bind(&plan.binds[i], err) < 0)
             return -1;
@@ -590,8 +702,6 @@ int rootfs_build(const struct holder_config *cfg, struct overlay_stack *stack, s
      * exists in the mount namespace: this one is what makes the per-command
      * mounts possible after the host's tree is gone. */
     if (mount_fs("proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, err) < 0)
-        return -1;
-    if (write_etc(cfg, &plan, err) < 0)
         return -1;
     return enter_new_root(err);
 }

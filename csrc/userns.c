@@ -54,7 +54,8 @@ static int prepare_tree(const char *path, uint64_t attrs, int idmap, int *out, s
 
 /* A root host's part, before userns_enter (see idmap.c): clone every tree of
  * the session's own (workspace or overlay layers, extra binds, the gateway's
- * socket) so that the workspace owner's files appear as the guest's, then
+ * socket, an image's root filesystem, which sits in the state directory
+ * like the workspace) so that the workspace owner's files appear as the guest's, then
  * become the unprivileged host user cfg->outer_uid/gid for good. The
  * overlay's upper and work directories must be siblings: both come from one
  * clone of their parent, as overlayfs wants them on one mount (rootfs.c
@@ -100,6 +101,8 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
     }
     if (cfg->gateway_dir &&
         prepare_tree(cfg->gateway_dir, RUNTIME_RO | MOUNT_ATTR_NOEXEC, idmap, &prepared->gateway_dir, err) < 0)
+        goto out;
+    if (cfg->image_root && prepare_tree(cfg->image_root, RUNTIME_RO, idmap, &prepared->image_root, err) < 0)
         goto out;
     /* Root's supplementary groups go first, while it may still drop them. */
     if (setgroups(0, NULL) < 0 || setresgid(cfg->outer_gid, cfg->outer_gid, cfg->outer_gid) < 0 ||

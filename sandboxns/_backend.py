@@ -68,8 +68,8 @@ from ._layers import copy_tree, merge_layers, move_tree, remove_tree
 from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, NetworkPolicy, check_network_policy
 from ._open import driver_class
-from ._rootfs_images import Image, ImageStore
-from ._session import Session, check_seconds, create_sandbox_session
+from ._rootfs_images import Image, ImageStore, check_digest, session_environment
+from ._session import DEFAULT_ENV, Session, check_seconds, create_sandbox_session
 from ._snapshots import (
     MAX_STACK_DEPTH,
     SNAPSHOT_ID_PATTERN,
@@ -315,6 +315,8 @@ class SessionHandle:
         self._description = description
         self.session_id: str = description["session"]
         self.template_key: str | None = description["template"]
+        # The digest of the image the session runs on, or None for the host's trees.
+        self.image: str | None = description.get("image")
         # Seconds a stopped session is kept, or None for ever (session.json).
         self.retention: float | None = description.get("retention")
         self._driver = None
@@ -705,17 +707,48 @@ class Backend:
         return await trio.to_thread.run_sync(self._images.list)
 
     async def delete_image(self, digest: str) -> None:
-        """Remove an imported image (SANDBOX_NOT_FOUND if there is none)."""
+        """Remove an imported image: SANDBOX_NOT_FOUND if there is none,
+        SANDBOX_BUSY (naming them) while a session or snapshot runs on it.
+        Templates prewarmed with it start no session until it is imported
+        again."""
         self._check_open()
-        await trio.to_thread.run_sync(self._images.delete, digest)
+        check_digest(digest)
+        await trio.to_thread.run_sync(delete_image, self.state_directory, digest)
 
-    async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
+    def _session_image(self, description: dict) -> Image:
+        """The image a stored session runs on (SANDBOX_STATE_MISMATCH if
+        it is gone)."""
+        try:
+            return self._image_of(description["image"])
+        except SandboxError as exc:
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"session {description['session']} runs on image {description['image']}: {exc.message}",
+            ) from None
+
+    def _image_of(self, digest: object) -> Image:
+        """An imported image, for something that is to run on it; the
+        caller holds the store's shared lock until that is recorded."""
+        return self._images.get(check_digest(digest))
+
+    async def prewarm(self, *, template: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
         """Snapshot ``files`` (workspace path -> bytes) as a template. The
         same name and files always give the same key; doing it again is
-        cheap."""
+        cheap. With ``image`` (a digest from :meth:`import_image`), the
+        template's sessions run on that image's root filesystem, and its
+        key is another than without."""
         self._check_open()
         name, checked = check_template_files(template, files)
-        return await trio.to_thread.run_sync(self._templates.store, self.name, name, checked)
+        if image is None:
+            return await trio.to_thread.run_sync(self._templates.store, self.name, name, checked)
+        check_digest(image)
+
+        def store() -> Template:
+            with self._images.locked(exclusive=False):
+                self._image_of(image)
+                return self._templates.store(self.name, name, checked, image)
+
+        return await trio.to_thread.run_sync(store)
 
     async def create(
         self,
@@ -731,6 +764,7 @@ class Backend:
         retention: float | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
+        image: str | None = None,
     ) -> SessionHandle:
         """Start a session: a new one from ``template`` (a key from
         :meth:`prewarm`), a new one over the host directory ``workspace``, a
@@ -756,8 +790,17 @@ class Backend:
         when it is resumed. So is ``confinement``, the session's rlimits,
         /tmp size, seccomp filter and workspace size cap (see
         :class:`~sandboxns.Confinement`); a session over a host directory
-        cannot have a workspace size cap."""
+        cannot have a workspace size cap.
+
+        ``image`` (a digest from :meth:`import_image`) makes a new session
+        over ``workspace`` run on that image's root filesystem instead of
+        the host's runtime trees, with the image's Env as its default
+        environment. A session from a template or snapshot runs on theirs
+        (see :meth:`prewarm`), and a resumed one on its own: ``image``, if
+        given there, must name the same."""
         self._check_open()
+        if image is not None:
+            check_digest(image)
         policy = check_network_policy(network)
         extra = check_mounts(mounts)
         if confinement is not None and state is not None:
@@ -780,17 +823,22 @@ class Backend:
         if snapshot is not None:
             if template is not None or workspace is not None or state is not None:
                 raise invalid_argument("give snapshot= alone: its session's workspace starts as the snapshot")
-            handle = await self._create_from_snapshot(snapshot_id_of(snapshot), policy, extra, confinement)
+            handle = await self._create_from_snapshot(snapshot_id_of(snapshot), policy, extra, confinement, image)
         elif state is not None:
-            handle = await self._resume(state, template, workspace, policy)
+            handle = await self._resume(state, template, workspace, policy, image)
         elif workspace is not None:
             if template is not None:
                 raise invalid_argument("give either template= or workspace=, not both")
-            handle = await self._create_bound(workspace, policy, extra, confinement)
+            handle = await self._create_bound(workspace, policy, extra, confinement, image)
         elif template is None:
             raise invalid_argument("create() needs template=, workspace= or state=")
         else:
-            handle = await self._create_from_template(check_key(template), policy, extra, confinement)
+            key = check_key(template)
+            if image is not None and image != await trio.to_thread.run_sync(self._templates.image_of, key):
+                raise invalid_argument(
+                    f"template {key} runs on the image it was prewarmed with, not {image}; give that one or none"
+                )
+            handle = await self._create_from_template(key, policy, extra, confinement)
         await self._hand_over(handle, lifetime)
         return handle
 
@@ -837,11 +885,19 @@ class Backend:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
         description = self._new_description(key, layout, mounts, confinement)
+        image = await trio.to_thread.run_sync(self._templates.image_of, key)
+        if image is not None:
+            description["image"] = image
         session_dir = await self._make_session_dir(description, confinement)
         return await self._attach(session_dir, description, confinement, policy, new=True, layer_stores=layer_stores)
 
     async def _create_from_snapshot(
-        self, snapshot_id: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
+        self,
+        snapshot_id: str,
+        policy: NetworkPolicy,
+        mounts: tuple[Mount, ...],
+        confinement: Confinement,
+        image: str | None = None,
     ) -> SessionHandle:
         """A new session over a snapshot: an empty upper layer over its
         layers, or (without an overlay) a copy of it. The session's record
@@ -858,8 +914,12 @@ class Backend:
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
                 stored = self._own_snapshot(snapshot_id)
+                if image is not None and image != stored.image:
+                    raise invalid_argument(f"snapshot {snapshot_id} runs on {stored.image or 'the host'}, not {image}")
                 description = self._new_description(stored.template, layout, mounts, confinement)
                 description["snapshot"] = stored.id
+                if stored.image is not None:
+                    description["image"] = stored.image
                 if layout == "overlay":
                     description["layers"], description["on_template"] = list(stored.layers), stored.on_template
                 return self._make_session_dir_now(description, confinement), description
@@ -900,7 +960,7 @@ class Backend:
         layers is deleted and left out (the caller starts one afresh);
         should one fail otherwise, none is handed out."""
         pool = self._ready_pool(FORK_POOL, mounts, confinement)
-        if pool is None:
+        if pool is None or snapshot.image is not None:  # the pool's sessions run on the host's trees
             return []
         taken: list[SessionHandle] = []
 
@@ -970,6 +1030,7 @@ class Backend:
         policy: NetworkPolicy,
         mounts: tuple[Mount, ...],
         confinement: Confinement,
+        image: str | None,
     ) -> SessionHandle:
         if not isinstance(workspace, (str, os.PathLike)):
             raise invalid_argument(f"workspace must be a path, not {type(workspace).__name__}")
@@ -979,6 +1040,8 @@ class Backend:
         self._refuse_state_overlap(path, "workspace")
         description = self._new_description(None, "bound", mounts, confinement)
         description["workspace"] = str(path)
+        if image is not None:
+            description["image"] = image
         session_dir = await self._make_session_dir(description, confinement)
         return await self._attach(session_dir, description, confinement, policy, new=True)
 
@@ -1012,20 +1075,27 @@ class Backend:
         session's workspace directory is in its image. Runs in a worker
         thread."""
         staging = self._sessions / f".new-{description['session']}"
-        staging.mkdir(mode=0o700, parents=True)
-        with contextlib.ExitStack() as on_failure:
-            on_failure.callback(remove_tree, staging)
-            if confinement.workspace_size is None:
-                (staging / "workspace").mkdir(mode=0o755)
-            else:
-                WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
-            write_json(staging / "session.json", description)
-            final = self._sessions / description["session"]
-            os.rename(staging, final)
-            on_failure.pop_all()
+        image = description.get("image")
+        # An image is not deleted from under a session about to run on it (see delete_image).
+        with self._images.locked(exclusive=False) if image else contextlib.nullcontext():
+            if image:
+                self._image_of(image)
+            staging.mkdir(mode=0o700, parents=True)
+            with contextlib.ExitStack() as on_failure:
+                on_failure.callback(remove_tree, staging)
+                if confinement.workspace_size is None:
+                    (staging / "workspace").mkdir(mode=0o755)
+                else:
+                    WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
+                write_json(staging / "session.json", description)
+                final = self._sessions / description["session"]
+                os.rename(staging, final)
+                on_failure.pop_all()
         return final
 
-    async def _resume(self, state: object, template: object, workspace: object, policy: NetworkPolicy) -> SessionHandle:
+    async def _resume(
+        self, state: object, template: object, workspace: object, policy: NetworkPolicy, image: str | None
+    ) -> SessionHandle:
         if not isinstance(state, Mapping):
             raise invalid_argument(f"state must be the dict capture_state() returned, not {type(state).__name__}")
         if state.get("format") != STATE_FORMAT or not isinstance(state.get("session"), str):
@@ -1052,6 +1122,11 @@ class Backend:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"session {session_id} is bound to {description.get('workspace') or 'its own workspace'}",
             )
+        if image is not None and image != description.get("image"):
+            raise SandboxError(
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"session {session_id} runs on {description.get('image') or 'the host'}, not {image}",
+            )
         confinement = Confinement.from_dict(description.get("confinement", {}))
         if confinement.workspace_size is not None:
             require_workspace_cap_support()  # this host may not be the one that made it
@@ -1073,6 +1148,7 @@ class Backend:
         async with contextlib.AsyncExitStack() as on_failure:
             if new:
                 on_failure.push_async_callback(trio.to_thread.run_sync, remove_tree, session_dir)
+            image = None if handle.image is None else await trio.to_thread.run_sync(self._session_image, description)
             lease = await Lease.acquire(session_dir, self.state_directory)
             on_failure.callback(lease.release)
             if confinement.workspace_size is not None:
@@ -1098,6 +1174,8 @@ class Backend:
         handle._lease = lease
         handle._network = network
         handle.session = create_sandbox_session(driver, self._slots, network)
+        if image is not None:
+            handle.session.environment = session_environment(image, DEFAULT_ENV)
         self._live.add(handle)
         return handle
 
@@ -1163,6 +1241,7 @@ class Backend:
             # The cap is the mount made before; the driver sees a directory.
             confinement=dataclasses.replace(confinement, workspace_size=None),
             **({"layer_stores": (self._templates.root, self._snapshots.root)} if layer_stores else {}),
+            **({"image_root": self._images.root_of(description["image"])} if "image" in description else {}),
         )
         try:
             return await start(overlay=overlay)
@@ -1258,6 +1337,7 @@ class Backend:
             "bytes": None,
             "backend": self.name,
             "template": description["template"],
+            "image": description.get("image"),
         }
         freezing = _Freezing()
         # Once the upper layer under the holder's overlay has changed (moved
@@ -1522,6 +1602,28 @@ def delete_snapshot(state_directory: Path, snapshot_id: str) -> None:
     store = SnapshotStore(state_directory / "snapshots")
     with store.locked():
         store.delete(snapshot_id, {**store.users(), **_sessions_layers(state_directory)})
+
+
+def delete_image(state_directory: Path, digest: str) -> None:
+    """See :meth:`Backend.delete_image`; also for operators, without a
+    backend (``sandboxns image delete``). An image a session (live or
+    stopped) or a snapshot runs on is SANDBOX_BUSY, naming them: its files
+    are their root filesystem. A template's image may go: its sessions
+    cannot start (SANDBOX_NOT_FOUND) until the same image is imported
+    again, which gives the same digest."""
+    store = ImageStore(state_directory / "images")
+    with store.locked(exclusive=True):
+        store.get(digest)
+        users = []
+        for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
+            with contextlib.suppress(SandboxError):  # gone meanwhile, or not usable anyway
+                if read_description(state_directory, session_id).get("image") == digest:
+                    users.append(f"session {session_id}")
+        users += [f"snapshot {snapshot_id}" for snapshot_id in SnapshotStore(state_directory / "snapshots").on_image(digest)]
+        if users:
+            shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"image {digest} is the root of {shown}; delete those first")
+        store.delete(digest)
 
 
 def sweep_snapshot_store(state_directory: Path) -> None:

@@ -40,9 +40,10 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from ._driver import (
     GatewayEndpoint,
     Mount,
     OverlayUnavailable,
+    check_image_root,
     check_mounts,
     check_start_arguments,
     received_fds,
@@ -72,6 +74,8 @@ from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
+# What the session makes at the top of an image's root itself.
+IMAGE_ROOT_OWN = frozenset({"etc", "proc", "dev", "tmp", "run", WORKSPACE.lstrip("/")})
 MAX_SIGNAL = 64
 # Starting a session runs one command to see that bwrap works here.
 PROBE_TIMEOUT = 10.0
@@ -113,8 +117,50 @@ def _etc_files(uid: int, gid: int, share_network: bool) -> dict[str, str]:
     return files
 
 
+def _host_root() -> list[str]:
+    """The guest's root from the host's runtime trees, read-only."""
+    plan = []
+    for name in RUNTIME_DIRS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            plan += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            plan += ["--ro-bind", path, path]
+    plan += ["--perms", "0755", "--dir", "/etc"]  # bwrap would make it 0700
+    for path in HOST_ETC:
+        plan += ["--ro-bind-try", path, path]
+    return plan
+
+
+def _image_root(listed: Path, source: Path, etc_files: Iterable[str]) -> list[str]:
+    """The guest's root from an image's tree (``listed`` here; bwrap finds
+    it at ``source``): each entry at its top and in its /etc, but those the
+    session makes itself, bound read-only or made again as a link. bwrap
+    0.8 has no overlay, so this is a mount per entry; the native driver's
+    is one overlay (csrc/rootfs.c)."""
+    plan = _entries_of(listed, source, "/", IMAGE_ROOT_OWN)
+    plan += ["--perms", "0755", "--dir", "/etc"]
+    if (listed / "etc").is_dir() and not (listed / "etc").is_symlink():
+        plan += _entries_of(listed / "etc", source / "etc", "/etc/", frozenset(etc_files))
+    return plan
+
+
+def _entries_of(listed: Path, source: Path, guest: str, own: frozenset[str]) -> list[str]:
+    plan = []
+    for name in sorted(os.listdir(listed)):
+        if name in own:
+            continue
+        mode = os.lstat(listed / name).st_mode
+        if stat.S_ISLNK(mode):
+            plan += ["--symlink", os.readlink(listed / name), guest + name]
+        elif stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+            plan += ["--ro-bind", str(source / name), guest + name]
+    return plan
+
+
 def _plan(
     bwrap: str,
+    root: list[str],
     workspace: Path,
     etc_dir: Path,
     ids: tuple[int, int],
@@ -124,7 +170,8 @@ def _plan(
     tmp_size: int,
     userns_fd: int | None,
 ) -> list[str]:
-    """The per-session part of every command's bwrap arguments. With
+    """The per-session part of every command's bwrap arguments, ``root``
+    the guest's system trees (_host_root or _image_root). With
     ``userns_fd`` (a root host's, see _RootHostNamespaces) bwrap enters that
     user namespace, which already forbids nesting, instead of making one."""
     if userns_fd is None:
@@ -139,16 +186,7 @@ def _plan(
             plan.append("--unshare-net")
     uid, gid = ids
     plan += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--uid", str(uid), "--gid", str(gid)]
-    plan += ["--hostname", "sandbox", "--clearenv"]
-    for name in RUNTIME_DIRS:
-        path = f"/{name}"
-        if os.path.islink(path):
-            plan += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            plan += ["--ro-bind", path, path]
-    plan += ["--perms", "0755", "--dir", "/etc"]  # bwrap would make it 0700
-    for path in HOST_ETC:
-        plan += ["--ro-bind-try", path, path]
+    plan += ["--hostname", "sandbox", "--clearenv", *root]
     for name in sorted(os.listdir(etc_dir)):
         plan += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
     plan += [
@@ -190,6 +228,7 @@ class _RootHostNamespaces:
         guest: tuple[int, int],
         host_ids: tuple[int, int],
         private: Path,
+        image_root: Path | None,
     ) -> None:
         self.guest_ids = host_ids
         owner = workspace.stat()
@@ -197,13 +236,21 @@ class _RootHostNamespaces:
         # bwrap resolves its bind sources as the guest's host user, who may
         # not pass through the directories above them: they are attached
         # under the session's private directory instead, in the namespace.
+        # So is an image's root, which lies in the state directory.
         targets = [private / "workspace", *(private / f"mount-{index}" for index in range(len(mounts)))]
-        for target, source in zip(targets, [workspace, *(Path(mount.host) for mount in mounts)], strict=True):
+        sources = [workspace, *(Path(mount.host) for mount in mounts)]
+        read_only = [False, *(not mount.writable for mount in mounts)]
+        if image_root is not None:
+            targets.append(private / "image")
+            sources.append(image_root)
+            read_only.append(True)
+        for target, source in zip(targets, sources, strict=True):
             if source.is_dir():
                 target.mkdir()
             else:
                 target.touch()
-        self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, targets[1:], strict=True)))
+        self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, targets[1:], strict=False)))
+        self.image_root = None if image_root is None else targets[-1]
         try:
             self.userns = _ffi.make_userns(
                 f"{guest[0]} {host_ids[0]} 1\n", f"{guest[1]} {host_ids[1]} 1\n", owner=host_ids
@@ -213,10 +260,7 @@ class _RootHostNamespaces:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
         try:
             self.mount_ns = _ffi.idmapped_mount_ns(
-                [str(workspace), *(str(mount.host) for mount in mounts)],
-                [str(target) for target in targets],
-                [False, *(not mount.writable for mount in mounts)],
-                idmap,
+                [str(source) for source in sources], [str(target) for target in targets], read_only, idmap
             )
         except OSError as exc:
             os.close(self.userns)
@@ -484,9 +528,11 @@ class BwrapDriver(HostWorkspaceIO):
         gateway: GatewayEndpoint | None = None,
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
+        image_root: str | os.PathLike[str] | None = None,
     ) -> BwrapDriver:
         workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
         extra = check_mounts(mounts)
+        root = check_image_root(image_root)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
         bwrap = find_bwrap()
@@ -512,6 +558,8 @@ class BwrapDriver(HostWorkspaceIO):
         self._private = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-"))
         self._etc = self._private / "etc"
         self._sources = (self.workspace, extra)
+        # An image's root: where it is here, and where bwrap finds it.
+        self._image_root = (root, root)
         self._cgroup = None
         self._root_host = None
         # Each bwrap starts through `sandboxns-holder --enter` (this command
@@ -528,8 +576,11 @@ class BwrapDriver(HostWorkspaceIO):
             self._etc.mkdir(mode=0o755)
             host_ids = guest_host_ids()
             if host_ids is not None:
-                self._root_host = _RootHostNamespaces(self.workspace, extra, (uid, gid), host_ids, self._private)
+                self._root_host = _RootHostNamespaces(
+                    self.workspace, extra, (uid, gid), host_ids, self._private, root
+                )
                 self._sources = self._root_host.sources
+                self._image_root = (root, self._root_host.image_root)
                 # Host-side file operations act as the workspace's owner, so
                 # what they create is the guest's too.
                 self._fs_ids = self._root_host.owner_ids
@@ -552,7 +603,8 @@ class BwrapDriver(HostWorkspaceIO):
 
     async def _probe(self) -> None:
         try:
-            result = await Session(self).run("true", env={"PATH": "/usr/bin:/bin"}, timeout=PROBE_TIMEOUT)
+            # The init's own program, which every guest has, whatever its root.
+            result = await Session(self).run(GUEST_INIT, ["--version"], env={}, timeout=PROBE_TIMEOUT)
         except SandboxError as exc:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
         if result.exit_code != 0:
@@ -579,8 +631,10 @@ class BwrapDriver(HostWorkspaceIO):
             (self._etc / name).write_text(content)
             (self._etc / name).chmod(0o644)
         workspace, mounts = self._sources
+        listed, source = self._image_root
         self._plan = _plan(
             self._bwrap,
+            _host_root() if listed is None else _image_root(listed, source, files),
             workspace,
             self._etc,
             self._ids,

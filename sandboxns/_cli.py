@@ -19,6 +19,7 @@ import trio
 from ._backend import (
     default_state_directory,
     delete_expired_sessions,
+    delete_image,
     delete_snapshot,
     open_backend,
     stored_session_state,
@@ -27,7 +28,7 @@ from ._errors import ErrorCode, SandboxError
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status, session_ids
 from ._open import DRIVERS, open_sandbox
-from ._rootfs_images import ImageStore
+from ._rootfs_images import ImageStore, check_digest
 from ._session import DEFAULT_TIMEOUT, Session, check_command
 from ._snapshots import SnapshotStore, snapshot_id_of
 from ._spec import SandboxSpec
@@ -104,8 +105,8 @@ async def _run(args: argparse.Namespace) -> int:
     command = _command(args, "sandboxns run -- CMD [ARG...]")
     if args.spec is not None:
         return await _run_spec(args, command)
-    if args.state_dir is not None:
-        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "--state-dir goes with --spec")
+    if args.state_dir is not None and args.image is None:
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "--state-dir goes with --spec or --image")
     temporary = None
     workspace = args.workspace
     if workspace is None:
@@ -113,6 +114,8 @@ async def _run(args: argparse.Namespace) -> int:
         scratch.mkdir(parents=True, exist_ok=True)
         temporary = workspace = tempfile.mkdtemp(prefix="run-", dir=scratch)
     try:
+        if args.image is not None:
+            return await _run_on_image(args, command, Path(workspace))
         async with open_sandbox(
             workspace, driver=args.driver or "native", network=args.network or "deny-all"
         ) as session:
@@ -123,6 +126,24 @@ async def _run(args: argparse.Namespace) -> int:
             # remove_tree copes with all of it; shutil.rmtree does not.
             with contextlib.suppress(SandboxError):
                 remove_tree(Path(temporary))
+
+
+async def _run_on_image(args: argparse.Namespace, command: list[str], workspace: Path) -> int:
+    """A throwaway session of the backend in --state-dir, over the
+    workspace, on an image imported there; deleted afterwards."""
+    state = args.state_dir or default_state_directory()
+    async with open_backend(driver=args.driver or "native", state_directory=state) as backend:
+        handle = await backend.create(
+            workspace=workspace,
+            image=check_digest(args.image),
+            network=args.network or "deny-all",
+            destroy_on_close=True,
+        )
+        try:
+            return await _run_forwarding(handle.session, args, command)
+        finally:
+            with trio.CancelScope(shield=True):
+                await handle.aclose()
 
 
 def _load_valid_spec(path: str) -> SandboxSpec:
@@ -137,7 +158,7 @@ def _load_valid_spec(path: str) -> SandboxSpec:
 
 
 async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
-    for option in ("workspace", "network", "driver"):
+    for option in ("workspace", "network", "driver", "image"):
         if getattr(args, option) is not None:
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"--{option} comes from the spec; leave it out")
     spec = _load_valid_spec(args.spec)
@@ -221,7 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the sandbox a spec file describes instead (a backend session in --state-dir, kept or "
         "deleted afterwards as its lifecycle says)",
     )
-    run.add_argument("--state-dir", type=Path, metavar="DIR", help=f"with --spec (default {default_state_directory()})")
+    run.add_argument(
+        "--image",
+        metavar="DIGEST",
+        help="run on this image's root filesystem (see 'sandboxns image import'), not the host's",
+    )
+    run.add_argument(
+        "--state-dir", type=Path, metavar="DIR", help=f"with --spec or --image (default {default_state_directory()})"
+    )
     _command_options(run)
     exec_ = commands.add_parser(
         "exec",
@@ -361,7 +389,7 @@ def _image(args: argparse.Namespace) -> int:
         for skipped in image.skipped:
             print(f"skipped {skipped}", file=sys.stderr)
     elif args.image_command == "delete":
-        store.delete(args.digest)
+        delete_image(args.state_dir, check_digest(args.digest))
         print(f"{args.digest}  deleted")
     elif args.json:
         print(json.dumps([dataclasses.asdict(image) for image in store.list()], indent=1))

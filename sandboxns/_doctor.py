@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,9 @@ import trio
 from ._bwrap import find_bwrap
 from ._errors import SandboxError
 from ._image import missing_for_workspace_cap
-from ._native import HOLDER_PATH
+from ._native import HOLDER_PATH, NativeDriver
 from ._open import open_sandbox
+from ._session import Session
 
 # mount_setattr(2), which makes the session's cloned trees read-only, arrived
 # in 5.12; everything else the holder uses (clone3, pidfds, open_tree) is older.
@@ -241,6 +243,38 @@ def _check_sandbox() -> tuple[bool, str]:
         return False, f"starting a sandbox and running /usr/bin/true took over {SANDBOX_PROBE_TIMEOUT:g}s"
 
 
+def _check_images() -> tuple[bool, str]:
+    # A session on an image (Backend.create(image=...)) has for its root a
+    # read-only overlay of the image's tree, mounted in its user namespace:
+    # start one on a tiny image (the holder program alone, which runs
+    # anywhere, being static) and run it there.
+    async def run_on_image() -> tuple[bool, str]:
+        with tempfile.TemporaryDirectory() as scratch:
+            root, workspace = Path(scratch, "image"), Path(scratch, "workspace")
+            (root / "bin").mkdir(parents=True)
+            workspace.mkdir()
+            shutil.copy(HOLDER_PATH, root / "bin/probe")
+            with trio.fail_after(SANDBOX_PROBE_TIMEOUT):
+                driver = await NativeDriver.start(workspace, image_root=root)
+                try:
+                    result = await Session(driver).run("/bin/probe", ["--version"], env={})
+                finally:
+                    await driver.aclose()
+        if result.exit_code == 0:
+            return True, "started a sandbox on an image's root filesystem"
+        return False, f"a program on an image's root filesystem failed ({result}): {result.stderr.strip()}"
+
+    try:
+        return trio.run(run_on_image)
+    except SandboxError as exc:
+        return False, (
+            f"sessions on images unavailable (only they need it): {exc.message}; they need overlayfs in "
+            "user namespaces (Linux 5.11 or newer)"
+        )
+    except trio.TooSlowError:
+        return False, f"starting a sandbox on an image took over {SANDBOX_PROBE_TIMEOUT:g}s"
+
+
 def _check_workspace_cap() -> tuple[bool, str]:
     # Confinement(workspace_size=...) mounts an ext4 image per session.
     missing = missing_for_workspace_cap()
@@ -278,6 +312,7 @@ def run_checks() -> list[Check]:
     passed = {check.name for check in checks if check.ok}
     if {"user-namespaces", "holder"} <= passed:
         checks.append(_run("sandbox", True, _check_sandbox))
+        checks.append(_run("images", False, _check_images))
     else:
         checks.append(Check("sandbox", False, "skipped: fix the checks above first", True))
     return checks

@@ -59,6 +59,20 @@ def check_start_arguments(
     return workspace_path.resolve(), policy, checked_confinement
 
 
+def check_image_root(image_root: object) -> Path | None:
+    """A driver's ``image_root``: None (the guest's root is made of the
+    host's runtime trees), or the directory of an imported image's root
+    filesystem (see sandboxns._rootfs_images), resolved."""
+    if image_root is None:
+        return None
+    if not isinstance(image_root, (str, os.PathLike)) or "\0" in str(image_root):
+        raise invalid_argument(f"image_root must be a directory, not {image_root!r}")
+    root = Path(image_root)
+    if not root.is_absolute() or not root.is_dir():
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"image root {root} is not an absolute directory")
+    return root.resolve()
+
+
 # Where the bwrap driver binds its init, pid 1 of each command (csrc/bwrap_init.c).
 GUEST_INIT = "/run/sandboxns-init"
 MAX_MOUNTS = 8

@@ -28,6 +28,7 @@ from ._driver import (
     GatewayEndpoint,
     Mount,
     OverlayUnavailable,
+    check_image_root,
     check_mounts,
     check_start_arguments,
     received_fds,
@@ -160,6 +161,7 @@ class NativeDriver(HostWorkspaceIO):
         mounts: Sequence[Mount] = (),
         confinement: Confinement | None = None,
         layer_stores: tuple[Path, Path] | None = None,
+        image_root: str | os.PathLike[str] | None = None,
     ) -> NativeDriver:
         """Start a session whose /workspace is the host directory
         ``workspace``. With ``overlay=(lowers, scratch)`` the workspace is
@@ -176,9 +178,12 @@ class NativeDriver(HostWorkspaceIO):
         ``layer_stores`` (the state directory's templates and snapshots),
         with an overlay: the holder keeps a read-only handle on both, so
         that :meth:`take_layers` can later stand the workspace on any of
-        their layers (a session started ahead, for forks)."""
+        their layers (a session started ahead, for forks).
+        ``image_root``, an imported image's root filesystem, is the guest's
+        root instead of the host's runtime trees (see csrc/rootfs.c)."""
         workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
         extra = check_mounts(mounts)
+        root = check_image_root(image_root)
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
@@ -212,6 +217,8 @@ class NativeDriver(HostWorkspaceIO):
                     f"--snapshot-store={Path(snapshots).resolve()}",
                 ]
         self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
+        if root is not None:
+            self._base_argv.append(f"--image-root={root}")
         self._lease = lease
         self._closed = False
         self._holder_died = False

@@ -12,6 +12,8 @@ mounts it::
 
     images/<hex>/root/          the image's root filesystem
     images/<hex>/image.json     its digest, config and what was skipped
+    images/.lock                flock'd: shared while something comes to
+                                depend on an image, exclusive to delete one
 
 Unpacking never follows a link: each path is opened one component at a time
 under the tree's directory fd (O_NOFOLLOW), and the host never follows a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import gzip
 import hashlib
@@ -43,7 +46,7 @@ import stat
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -105,6 +108,33 @@ class ImageStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    def get(self, digest: str) -> Image:
+        """An imported image (SANDBOX_NOT_FOUND if there is none)."""
+        record = self.root / check_digest(digest).removeprefix("sha256:") / RECORD_NAME
+        try:
+            return _image(json.loads(record.read_text()))
+        except FileNotFoundError:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no image {digest} in {self.root}") from None
+        except (ValueError, KeyError, TypeError):
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"image record {record} is unreadable") from None
+
+    def root_of(self, digest: str) -> Path:
+        """The root filesystem of an image :meth:`get` found."""
+        return self.root / check_digest(digest).removeprefix("sha256:") / ROOT_NAME
+
+    @contextlib.contextmanager
+    def locked(self, exclusive: bool) -> Iterator[None]:
+        """Across processes: shared while a template or session is made to
+        depend on an image (so it is not deleted from under it), exclusive
+        while one is deleted."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
 
     def list(self) -> list[Image]:
         images = []
@@ -174,6 +204,13 @@ class ImageStore:
             with contextlib.suppress(OSError):
                 if time.time() - entry.stat().st_mtime > STALE_IMPORT_SECONDS:
                     _remove_tree(entry)
+
+
+def session_environment(image: Image, defaults: Mapping[str, str]) -> dict[str, str]:
+    """The default environment of a session on ``image``: ``defaults``
+    (sandboxns's, never the host's) under the image's Env, which always
+    has a PATH (the OCI default where the image gives none)."""
+    return {**defaults, **image.env}
 
 
 def _image(described: dict) -> Image:

@@ -50,6 +50,7 @@ from pathlib import Path
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._ffi import exchange
 from ._layers import remove_tree, tree_bytes
+from ._rootfs_images import DIGEST as IMAGE_DIGEST
 from ._templates import KEY_PATTERN
 
 SNAPSHOT_FORMAT = 1
@@ -73,7 +74,8 @@ class Snapshot:
     measures). ``template``: the template key of the sessions it comes from
     (a session made from it reports the same one). ``layers``: the snapshots
     whose layers make up its workspace, itself first (one, for a whole
-    copy); ``on_template``: whether the template's files lie beneath them."""
+    copy); ``on_template``: whether the template's files lie beneath them.
+    ``image``: the digest of the image its sessions run on, if any."""
 
     id: str
     name: str | None
@@ -84,6 +86,7 @@ class Snapshot:
     template: str | None
     layers: tuple[str, ...] = field(default=())
     on_template: bool = False
+    image: str | None = None
 
     @property
     def depth(self) -> int:
@@ -103,6 +106,8 @@ class Snapshot:
             "template": self.template,
             "layers": list(self.layers),
             "on_template": self.on_template,
+            # Only where there is one: an older sandboxns reads the rest.
+            **({"image": self.image} if self.image is not None else {}),
         }
 
     @classmethod
@@ -122,6 +127,7 @@ class Snapshot:
             template=value["template"],
             layers=tuple(value["layers"]),
             on_template=value["on_template"],
+            image=value.get("image"),
         )
 
 
@@ -131,8 +137,11 @@ def _record_problem(value: object) -> str | None:
     if value.get("format") != SNAPSHOT_FORMAT:
         return f"format {value.get('format')!r} is not {SNAPSHOT_FORMAT}"
     expected = {"format", "id", "name", "parent", "created", "bytes", "backend", "template", "layers", "on_template"}
-    if set(value) != expected:
-        return f"its fields are {sorted(value)}, not {sorted(expected)}"
+    if set(value) - {"image"} != expected:  # records made before images have none
+        return f"its fields are {sorted(value)}, not {sorted(expected | {'image'})}"
+    image = value.get("image")
+    if not (image is None or (isinstance(image, str) and IMAGE_DIGEST.fullmatch(image))):
+        return "its image is not an image digest"
     if not _is_id(value["id"]) or not (value["parent"] is None or _is_id(value["parent"])):
         return "its id or parent is not a snapshot id (32 hex digits)"
     if not (value["name"] is None or isinstance(value["name"], str)):
@@ -309,6 +318,13 @@ class SnapshotStore:
             if made or name.startswith(".deleted-"):
                 remove_tree(self.root / name)
 
+    def on_image(self, image: str) -> list[str]:
+        """The snapshots whose sessions run on ``image``. Without the
+        store's lock: a snapshot is only ever taken of a session, whose
+        own record names the image as long as the snapshot is being
+        made."""
+        return sorted(name for name in _ids_in(self.root) if _image_of_record(self, name) == image)
+
     def users(self) -> dict[str, list[str]]:
         """Each snapshot's layers below its own, by "snapshot <id>"; one
         whose record is damaged stands on nothing this can tell."""
@@ -319,6 +335,13 @@ class SnapshotStore:
             except SandboxError:
                 continue
         return users
+
+
+def _image_of_record(store: SnapshotStore, snapshot_id: str) -> str | None:
+    try:
+        return store.read(snapshot_id).image
+    except SandboxError:
+        return None  # gone meanwhile, or damaged
 
 
 def _ids_in(root: Path) -> list[str]:

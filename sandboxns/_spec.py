@@ -4,6 +4,7 @@ A spec is TOML, JSON, or the YAML front matter of a ``SANDBOX.md`` file::
 
     id = "py-agent"
     driver = "native"
+    image = "images/python"         # optional: a digest (sha256:...), or an OCI layout or root filesystem to import
     [template]
     files = "template"              # a directory next to the spec, or a table of inline files
     [env]
@@ -62,6 +63,7 @@ from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError
 from ._network import AllowedOrigin, NetworkPolicy, Origin, header_name_problem, parse_origin
 from ._open import DRIVERS
+from ._rootfs_images import check_digest
 from ._routing import Refusal, route_request, route_tunnel
 from ._session import (
     DEFAULT_ENV,
@@ -84,6 +86,7 @@ _FIELDS = (
     "driver",
     "template",
     "workspace",
+    "image",
     "env",
     "network",
     "limits",
@@ -345,6 +348,13 @@ class SandboxSpec:
         ``env.auto_passthrough``, each of them the host has is passed
         through as well, unless ``env.vars`` sets it; one it lacks is
         skipped. Without it they are ignored."""
+        return self._environment(host_env, credential_env, DEFAULT_ENV)
+
+    def _environment(
+        self, host_env: Mapping[str, str] | None, credential_env: Sequence[str], base: Mapping[str, str]
+    ) -> dict[str, str]:
+        """:meth:`environment` over ``base``: sandboxns's defaults, or a
+        session's on an image (the image's Env)."""
         resolved = self._checked()
         credentials = _check_credential_env(credential_env)
         host = os.environ if host_env is None else host_env
@@ -356,7 +366,7 @@ class SandboxSpec:
             )
         automatic = [name for name in credentials if name in host and name not in resolved.vars]
         passthrough = (*resolved.passthrough, *(automatic if resolved.auto_passthrough else ()))
-        environment = {**DEFAULT_ENV, **resolved.vars, **{name: host[name] for name in passthrough}}
+        environment = {**base, **resolved.vars, **{name: host[name] for name in passthrough}}
         return {**environment, **_install_environment(resolved.install, environment)}
 
     def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
@@ -428,10 +438,10 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"the spec wants driver {resolved.driver!r}, the backend is {backend.name!r}",
             )
-        environment = self.environment(host_env, credential_env=credential_env)
+        self.environment(host_env, credential_env=credential_env)  # fails before anything starts
         network = self.network_policy(host_env)
         files = await trio.to_thread.run_sync(self.template_files)
-        handle, _ = await self._create_session(backend, resolved, files, environment, network)
+        handle, _ = await self._create_session(backend, resolved, files, network, host_env, credential_env)
         return handle
 
     async def _create_session(
@@ -439,10 +449,14 @@ class SandboxSpec:
         backend: Backend,
         resolved: _Resolved,
         files: dict[str, bytes] | None,
-        environment: dict[str, str],
         network: object,
+        host_env: Mapping[str, str] | None,
+        credential_env: Sequence[str],
     ) -> tuple[SessionHandle, tuple[InstallResult, ...]]:
         """A new session of the spec, configured, its packages installed."""
+        image = resolved.image
+        if isinstance(image, Path):
+            image = (await backend.import_image(image)).digest
         lifecycle = {
             "idle_timeout": resolved.idle_timeout,
             "destroy_on_close": resolved.destroy_on_close,
@@ -451,11 +465,13 @@ class SandboxSpec:
             "confinement": resolved.confinement,
         }
         if resolved.workspace is not None:
-            handle = await backend.create(workspace=resolved.workspace, network=network, **lifecycle)
+            handle = await backend.create(workspace=resolved.workspace, network=network, image=image, **lifecycle)
         else:
-            template = await backend.prewarm(template=resolved.id, files=files or {})
+            template = await backend.prewarm(template=resolved.id, files=files or {}, image=image)
             handle = await backend.create(template=template.template_key, network=network, **lifecycle)
         try:
+            # Over the session's own defaults: an image's Env, if it runs on one.
+            environment = self._environment(host_env, credential_env, handle.session.environment)
             _configure(handle.session, resolved.limits, environment)
             installs = await _install(handle.session, resolved.install)
         except BaseException:
@@ -471,8 +487,10 @@ class SandboxSpec:
     ) -> None:
         """Give ``session`` the spec's command environment and limits: for
         a session of this spec resumed elsewhere (``sandboxns exec --spec``).
-        Nothing is installed: the session has its packages from its build."""
-        environment = self.environment(host_env, credential_env=credential_env)
+        Nothing is installed: the session has its packages from its build.
+        The environment is over the session's defaults (an image's Env, for
+        a session on one), so call this before anything else configures it."""
+        environment = self._environment(host_env, credential_env, session.environment)
         _configure(session, self._checked().limits, environment)
 
 
@@ -600,6 +618,7 @@ class _Resolved:
     driver: str
     template: Path | dict[str, str]
     workspace: Path | None
+    image: str | Path | None  # a digest, or what to import
     vars: dict[str, str]
     passthrough: tuple[str, ...]
     auto_passthrough: bool
@@ -682,6 +701,16 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         if not workspace.is_dir():
             c.problem("workspace", f"directory {workspace} does not exist")
 
+    image: str | Path | None = None
+    if "image" in top and (text := c.string(top["image"], "image")) is not None:
+        if text.startswith("sha256:"):
+            try:
+                image = check_digest(text)
+            except SandboxError as exc:
+                c.problem("image", exc.message)
+        elif not (image := (base / text).resolve()).exists():
+            c.problem("image", f"{image} does not exist (give an image digest, or an OCI layout or root filesystem)")
+
     env = c.table(top.get("env", {}), "env", ("vars", "passthrough", "auto_passthrough"))
     variables: dict[str, str] = {}
     for name, value in c.table(env.get("vars", {}), "env.vars", None).items():
@@ -733,6 +762,7 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
         driver=driver,
         template=template,
         workspace=workspace,
+        image=image,
         vars=variables,
         passthrough=tuple(name for name in passthrough if isinstance(name, str)),
         auto_passthrough=auto_passthrough,
@@ -1059,7 +1089,7 @@ class _Building:
         spec = self._spec
         resolved = spec._checked()
         # Resolve host variables and read the template before anything starts.
-        environment = spec.environment(self._host_env, credential_env=self._credential_env)
+        spec.environment(self._host_env, credential_env=self._credential_env)
         network = spec.network_policy(self._host_env)
         files = await trio.to_thread.run_sync(spec.template_files)
         async with open_backend(
@@ -1068,7 +1098,9 @@ class _Building:
             max_concurrent_commands=resolved.limits.max_concurrent_commands,
             **self._backend_options,
         ) as backend:
-            handle, installs = await spec._create_session(backend, resolved, files, environment, network)
+            handle, installs = await spec._create_session(
+                backend, resolved, files, network, self._host_env, self._credential_env
+            )
             try:
                 yield SpecSandbox(spec, backend, handle, installs)
             finally:

@@ -41,6 +41,9 @@ class Template:
     template_key: str
     name: str
     file_count: int
+    # The digest of the image whose root filesystem its sessions run on
+    # (see Backend.import_image), or None for the host's runtime trees.
+    image: str | None = None
 
 
 def check_template_files(name: object, files: object) -> tuple[str, dict[str, bytes]]:
@@ -73,10 +76,12 @@ def check_template_files(name: object, files: object) -> tuple[str, dict[str, by
     return name, checked
 
 
-def template_key(backend: str, name: str, files: Mapping[str, bytes]) -> str:
+def template_key(backend: str, name: str, files: Mapping[str, bytes], image: str | None = None) -> str:
     digest = hashlib.sha256()
     for part in (b"sandboxns-template", str(TEMPLATE_FORMAT).encode(), backend.encode(), name.encode()):
         digest.update(part + b"\0")
+    if image is not None:  # keys of templates without one stay what they were
+        digest.update(b"image\0" + image.encode() + b"\0")
     for path in sorted(files):
         content = files[path]
         digest.update(path.encode() + b"\0" + str(len(content)).encode() + b"\0")
@@ -102,11 +107,21 @@ class TemplateStore:
     def exists(self, key: str) -> bool:
         return (self.root / key / "template.json").is_file()
 
-    def store(self, backend: str, name: str, files: Mapping[str, bytes]) -> Template:
+    def image_of(self, key: str) -> str | None:
+        """The image a stored template's sessions run on, if any."""
+        try:
+            image = json.loads((self.root / key / "template.json").read_text()).get("image")
+        except FileNotFoundError:
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.root.parent}") from None
+        except (ValueError, AttributeError):
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"template {key}'s record is unreadable") from None
+        return image if isinstance(image, str) else None
+
+    def store(self, backend: str, name: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
         """Write a template unless it is already there (then this is one
         stat). Runs in a worker thread."""
-        key = template_key(backend, name, files)
-        template = Template(key, name, len(files))
+        key = template_key(backend, name, files, image)
+        template = Template(key, name, len(files), image)
         if self.exists(key):
             return template
         staging = self.root / f".new-{key[:16]}-{secrets.token_hex(6)}"
@@ -117,6 +132,8 @@ class TemplateStore:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(content)
             description = {"format": TEMPLATE_FORMAT, "backend": backend, "name": name, "files": len(files)}
+            if image is not None:
+                description["image"] = image
             (staging / "template.json").write_text(json.dumps(description))
             try:
                 os.rename(staging, self.root / key)

@@ -17,6 +17,8 @@ things from a sandbox, and accepts any object that has them:
   terminal teardown; idempotent.
 
 :func:`namespace_sandbox` gives each task a fresh directory;
+:func:`image_sandbox` does too, its sandbox running on a root filesystem
+image (what a container runtime would run the harness in, with no daemon);
 :func:`worktree_sandbox` gives each task a working tree of a git repository
 on its own branch, in which git works inside the sandbox.
 
@@ -59,9 +61,18 @@ from ._files import WORKSPACE
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status
 from ._network import check_network_policy
+from ._rootfs_images import check_digest
 from ._session import RunResult, check_seconds, normalize_path
 
-__all__ = ["NamespaceSandbox", "WorktreeSandbox", "namespace_sandbox", "slug_for", "worktree_sandbox"]
+__all__ = [
+    "ImageSandbox",
+    "NamespaceSandbox",
+    "WorktreeSandbox",
+    "image_sandbox",
+    "namespace_sandbox",
+    "slug_for",
+    "worktree_sandbox",
+]
 
 GUEST_GIT_DIR = "/run/sandboxns-git"
 GUEST_OBJECTS = "/run/sandboxns-git-objects"
@@ -108,6 +119,8 @@ class _TaskSandboxes:
         self._records = root / ".sandboxns"
         self.state_directory = self._records / "state"
         self._driver = driver
+        # The image task sandboxes run on (a digest, or what to import), or None.
+        self._image: str | Path | None = None
 
     def _workspace_path(self, task_id: str) -> Path:
         return self._root / slug_for(task_id)
@@ -135,7 +148,9 @@ class _TaskSandboxes:
         """A new session over ``workspace``; ``setup`` runs in it once. The
         session is stopped again: each wrapped command takes its lease."""
         async with open_backend(driver=self._driver, state_directory=self.state_directory) as backend:
-            handle = await backend.create(workspace=workspace, network=self._policy, mounts=mounts)
+            if isinstance(self._image, Path):  # imported once, into the sandboxes' own state directory
+                self._image = (await backend.import_image(self._image)).digest
+            handle = await backend.create(workspace=workspace, network=self._policy, mounts=mounts, image=self._image)
             try:
                 if setup:
                     _check_ran(await handle.session.run(setup[0], setup[1:], env=self._guest_env()), "setting up")
@@ -280,6 +295,22 @@ class NamespaceSandbox(_TaskSandboxes):
         await self._delete_session(id)
         await trio.to_thread.run_sync(remove_tree, path)
         return {"removed": True, "dirty": False, "detail": f"removed {path}"}
+
+
+class ImageSandbox(NamespaceSandbox):
+    """Each task gets a new, empty directory (``root/<slug>``) as the
+    workspace of a sandbox whose root filesystem is an image's, never the
+    host's; its commands get the image's Env. See the module docstring for
+    the methods."""
+
+    def __init__(self, image: str | Path, root: Path, *, driver: str, network: object, timeout: float) -> None:
+        super().__init__(root, driver=driver, network=network, timeout=timeout)
+        self._image = image
+
+    @property
+    def image(self) -> str | None:
+        """The image's digest, once the first workspace imported it."""
+        return self._image if isinstance(self._image, str) else None
 
 
 class WorktreeSandbox(_TaskSandboxes):
@@ -512,6 +543,34 @@ def namespace_sandbox(
     a wrapped command is killed after ``timeout`` seconds."""
     path = Path(root).absolute()
     sandbox = NamespaceSandbox(path, driver=driver, network=network, timeout=timeout)
+    (path / ".sandboxns").mkdir(parents=True, exist_ok=True)
+    return sandbox
+
+
+def image_sandbox(
+    root: str | os.PathLike[str],
+    *,
+    image: str | os.PathLike[str],
+    driver: str = "native",
+    network: object = "deny-all",
+    timeout: float = WRAPPED_TIMEOUT,
+) -> ImageSandbox:
+    """Task sandboxes whose workspaces are new directories under ``root``,
+    running on ``image``: an OCI image layout or a root filesystem (a
+    directory or a tar: what ``skopeo copy ... oci:``, ``podman save
+    --format oci-archive`` or ``docker export`` make), imported into the
+    sandboxes' state directory on first use, or the digest of one imported
+    there already. A wrapped command is killed after ``timeout`` seconds."""
+    if isinstance(image, str) and image.startswith("sha256:"):
+        chosen: str | Path = check_digest(image)
+    elif isinstance(image, (str, os.PathLike)):
+        chosen = Path(image).absolute()
+        if not chosen.exists():
+            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no image at {chosen}")
+    else:
+        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"image must be a path or a digest, not {image!r}")
+    path = Path(root).absolute()
+    sandbox = ImageSandbox(chosen, path, driver=driver, network=network, timeout=timeout)
     (path / ".sandboxns").mkdir(parents=True, exist_ok=True)
     return sandbox
 

@@ -60,6 +60,7 @@ from ._channel import TOKEN_BYTES, Channel, ChannelClosed, ChannelListener
 from ._coding import WORKSPACE_OPERATIONS, CapturedCommand, CapturedRun, WorkspaceTarget
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry, HostWorkspaceIO
+from ._rootfs_images import Image
 from ._session import RunResult
 from ._snapshots import Snapshot
 from ._templates import Template
@@ -171,8 +172,11 @@ class NodeBackend:
             live = sum(1 for handle in self._handles.values() if handle.live)
         return self._backend.active_commands, live, self._backend.max_concurrent_commands
 
-    def prewarm(self, template: str, files: Mapping[str, bytes]) -> Template:
-        return self._portal.call(self._backend.prewarm, template=template, files=files)
+    def prewarm(self, template: str, files: Mapping[str, bytes], image: str | None) -> Template:
+        return self._portal.call(self._backend.prewarm, template=template, files=files, image=image)
+
+    def import_image(self, path: str) -> Image:
+        return self._portal.call(self._backend.import_image, path)
 
     def pool(self, template: str, size: int) -> None:
         self._portal.call(self._backend.pool, template=template, size=size)
@@ -506,11 +510,23 @@ class Cluster:
             for node_id in started:
                 nursery.start_soon(ready, self._nodes[node_id])
 
-    async def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
-        """:meth:`Backend.prewarm` on every node (the key is the same on
-        each, so a session of it can be made anywhere)."""
+    async def import_image(self, path: str | os.PathLike[str]) -> Image:
+        """:meth:`Backend.import_image` on every node: ``path`` names the
+        image on each node's host (a shared filesystem, or a copy on each);
+        the same image gives the same digest everywhere."""
         await self._refresh_if_due()
-        results = await self._on_every_node("prewarm", template, dict(files))
+        results = await self._on_every_node("import_image", os.fspath(path))
+        digests = {image.digest for image in results.values()}
+        if len(digests) != 1:
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"nodes imported different images: {sorted(digests)}")
+        return next(iter(results.values()))
+
+    async def prewarm(self, *, template: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
+        """:meth:`Backend.prewarm` on every node (the key is the same on
+        each, so a session of it can be made anywhere); with ``image``,
+        which every node must have imported (see :meth:`import_image`)."""
+        await self._refresh_if_due()
+        results = await self._on_every_node("prewarm", template, dict(files), image)
         keys = {result.template_key for result in results.values()}
         if len(keys) != 1:
             raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"nodes made different templates: {sorted(keys)}")
@@ -909,8 +925,11 @@ class BlockingCluster:
     def nodes(self) -> list[str]:
         return self._cluster.nodes
 
-    def prewarm(self, *, template: str, files: Mapping[str, bytes]) -> Template:
-        return _blocking(self._cluster.prewarm, template=template, files=files)
+    def prewarm(self, *, template: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
+        return _blocking(self._cluster.prewarm, template=template, files=files, image=image)
+
+    def import_image(self, path: str | os.PathLike[str]) -> Image:
+        return _blocking(self._cluster.import_image, path)
 
     def create(self, **options: Any) -> BlockingRemoteHandle:
         return BlockingRemoteHandle(_blocking(self._cluster.create, **options))

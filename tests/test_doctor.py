@@ -43,3 +43,10 @@ def test_format_report_marks_failures():
     assert lines[1].startswith("FAIL") and "user.max_user_namespaces" in lines[1]
     assert lines[2].startswith("warn")
     assert "user-namespaces" in lines[-1] and "bwrap" in lines[-1]
+
+
+def test_the_images_check_runs_a_program_on_an_image_root():
+    # Sessions on images work on every host the tests run on (root and not).
+    [check] = [check for check in run_checks() if check.name == "images"]
+    assert not check.required
+    assert check.ok, check.detail

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 from conftest import refused
+from oci_images import busybox_layout
 
 import sandboxns
 from sandboxns import ErrorCode
@@ -127,6 +128,17 @@ async def test_a_template_is_on_every_node_and_a_session_goes_where_asked(cluste
             assert handle.node == node
             assert (await sh(handle, "cat t")).stdout == "same\n"
     await refused(ErrorCode.SANDBOX_NOT_FOUND, cluster.create(template=template.template_key, node="f" * 56))
+
+
+async def test_an_image_imported_on_every_node_is_the_root_of_sessions_anywhere(cluster, tmp_path):
+    busybox_layout(tmp_path / "busybox")
+    image = await cluster.import_image(tmp_path / "busybox")
+    template = await cluster.prewarm(template="on-image", files={}, image=image.digest)
+    for node in cluster.nodes:
+        async with await cluster.create(template=template.template_key, node=node) as handle:
+            assert (await sh(handle, "cat /etc/os-release; echo $GREETING")).stdout == (
+                "ID=sandboxns-busybox\nfrom the image\n"
+            )
 
 
 async def test_a_session_resumes_only_on_its_own_node(cluster):
