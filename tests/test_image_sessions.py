@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
 import pytest
 import trio
 from conftest import refused
-from oci_images import busybox_layout
+from oci_images import busybox_entries, busybox_layout, entry, layer_tar
 
 import sandboxns
 from sandboxns import ErrorCode
@@ -221,3 +222,23 @@ async def _images(state_directory):
 
 async def _raising(function, *args, **kwargs):
     return function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["directory", "tar"])
+async def test_a_plain_root_filesystem_is_a_sessions_root(backend, tmp_path, workspace, form):
+    # What debootstrap or docker export make: one tree, no layers.
+    packed = tmp_path / "rootfs.tar"
+    packed.write_bytes(layer_tar([*busybox_entries(), entry("etc/os-release", b"ID=plain-rootfs\n")]))
+    source = packed
+    if form == "directory":
+        source = tmp_path / "rootfs"
+        source.mkdir()
+        with tarfile.open(packed) as tar:
+            tar.extractall(source, filter="tar")
+    image = await backend.import_image(source)
+    handle = await backend.create(workspace=workspace, image=image.digest)
+    result = await sh(handle.session, "cat /etc/os-release; echo $PATH")
+    assert result.stdout.splitlines() == [
+        "ID=plain-rootfs",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ]
