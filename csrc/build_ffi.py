@@ -78,7 +78,7 @@ ffibuilder.cdef(
     int sbx_exchange(const char *a, const char *b);
     int sbx_make_userns(const char *uid_map, const char *gid_map, int owner_uid, int owner_gid);
     int sbx_idmapped_mount_ns(const char *const *sources, const char *const *targets, const int *readonly, int n,
-                              int idmap_userns_fd);
+                              const int *idmap_userns_fds);
     int sbx_image_mount(const char *image, const char *target);
     int sbx_image_unmount(const char *target);
 

@@ -16,17 +16,18 @@ int sbx_make_userns(const char *uid_map, const char *gid_map, int owner_uid, int
 }
 
 /* A mount namespace where each of targets shows the tree at sources[i],
- * with its files through the maps of idmap_userns_fd (read-only where
+ * with its files through the maps of idmap_userns_fds[i] (read-only where
  * readonly[i]). */
 int sbx_idmapped_mount_ns(const char *const *sources, const char *const *targets, const int *readonly, int n,
-                          int idmap_userns_fd)
+                          const int *idmap_userns_fds)
 {
     int fds[16] = {0}, rc = 0, made = 0;
 
     if (n > (int)(sizeof fds / sizeof fds[0]))
         return -E2BIG;
     for (; made < n; made++) {
-        fds[made] = idmap_clone_tree(sources[made], readonly[made] ? MOUNT_ATTR_RDONLY : 0, idmap_userns_fd);
+        fds[made] = idmap_clone_tree(sources[made], readonly[made] ? MOUNT_ATTR_RDONLY : 0,
+                                       idmap_userns_fds[made]);
         if (fds[made] < 0) {
             rc = fds[made];
             break;

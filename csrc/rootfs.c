@@ -38,7 +38,7 @@ struct plan {
     char symlinks[6][2][PATH_MAX]; /* runtime dirs the host has as symlinks, the gateway's socket */
     int nsymlinks;
     char resolv_conf[4096];
-    int image_root;       /* the image's tree (a detached mount), or -1 */
+    int image_root;       /* the image's tree (a detached mount), with cfg->image_root */
     int image_root_owned; /* ours to close (not a root host's prepared clone) */
 };
 

@@ -52,6 +52,30 @@ static int prepare_tree(const char *path, uint64_t attrs, int idmap, int *out, s
     return 0;
 }
 
+/* An image's files are its importer's: seen, like the workspace owner's, as
+ * the guest's (as on a host that is not root, where both are the one user
+ * sandboxns runs as). */
+static int prepare_image_root(struct holder_config *cfg, const struct stat *workspace_owner, int idmap,
+                              struct sbx_report *err)
+{
+    char uid_map[64], gid_map[64];
+    struct stat owner;
+    int rc;
+
+    if (stat(cfg->image_root, &owner) < 0)
+        return fail(err, "image", errno, "cannot stat %s: %s", cfg->image_root, strerror(errno));
+    if (owner.st_uid == workspace_owner->st_uid && owner.st_gid == workspace_owner->st_gid)
+        return prepare_tree(cfg->image_root, RUNTIME_RO, idmap, &cfg->prepared.image_root, err);
+    snprintf(uid_map, sizeof uid_map, "%u %u 1\n", owner.st_uid, cfg->outer_uid);
+    snprintf(gid_map, sizeof gid_map, "%u %u 1\n", owner.st_gid, cfg->outer_gid);
+    idmap = idmap_make_userns(uid_map, gid_map, 0, -1, -1);
+    if (idmap < 0)
+        return fail(err, "idmap", -idmap, "cannot make the image's id mapping: %s", strerror(-idmap));
+    rc = prepare_tree(cfg->image_root, RUNTIME_RO, idmap, &cfg->prepared.image_root, err);
+    close(idmap);
+    return rc;
+}
+
 /* A root host's part, before userns_enter (see idmap.c): clone every tree of
  * the session's own (workspace or overlay layers, extra binds, the gateway's
  * socket, an image's root filesystem, which sits in the state directory
@@ -102,7 +126,7 @@ int userns_prepare_host_ids(struct holder_config *cfg, struct sbx_report *err)
     if (cfg->gateway_dir &&
         prepare_tree(cfg->gateway_dir, RUNTIME_RO | MOUNT_ATTR_NOEXEC, idmap, &prepared->gateway_dir, err) < 0)
         goto out;
-    if (cfg->image_root && prepare_tree(cfg->image_root, RUNTIME_RO, idmap, &prepared->image_root, err) < 0)
+    if (cfg->image_root && prepare_image_root(cfg, &owner, idmap, err) < 0)
         goto out;
     /* Root's supplementary groups go first, while it may still drop them. */
     if (setgroups(0, NULL) < 0 || setresgid(cfg->outer_gid, cfg->outer_gid, cfg->outer_gid) < 0 ||

@@ -66,7 +66,7 @@ from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
 from ._layers import copy_tree, merge_layers, move_tree, remove_tree
 from ._lease import Lease, is_locked, last_written, session_ids, unowned
-from ._network import DENY_ALL, NetworkPolicy, check_network_policy
+from ._network import DENY_ALL, GATEWAY_ENVIRONMENT, NetworkPolicy, check_network_policy
 from ._open import driver_class
 from ._rootfs_images import Image, ImageStore, check_digest, session_environment
 from ._session import DEFAULT_ENV, Session, check_seconds, create_sandbox_session
@@ -289,6 +289,13 @@ def _storage_root(session_dir: Path, confinement: Confinement) -> Path:
     """Where a session keeps what it writes (its workspace and an overlay's
     work directory): its own directory, or its mounted image when capped."""
     return session_dir if confinement.workspace_size is None else WorkspaceImage(session_dir).mount_point
+
+
+def _check_snapshot_image(snapshot: Snapshot, image: str | None) -> None:
+    """A session over ``snapshot`` runs on its image: ``image``, if given
+    to create(), must be that one."""
+    if image is not None and image != snapshot.image:
+        raise invalid_argument(f"snapshot {snapshot.id} runs on {snapshot.image or 'the host'}, not {image}")
 
 
 def _empty_upper(upper: Path, layer: Path) -> None:
@@ -907,6 +914,7 @@ class Backend:
         layout = "overlay" if self._overlay else "copy"
         if self._ready_pool(FORK_POOL, mounts, confinement) is not None:
             snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot_id)
+            _check_snapshot_image(snapshot, image)
             handed_out = await self._hand_out_forks(snapshot, 1, policy, mounts, confinement)
             if handed_out:
                 return handed_out[0]
@@ -914,8 +922,7 @@ class Backend:
         def make() -> tuple[Path, dict]:
             with self._snapshots.locked():
                 stored = self._own_snapshot(snapshot_id)
-                if image is not None and image != stored.image:
-                    raise invalid_argument(f"snapshot {snapshot_id} runs on {stored.image or 'the host'}, not {image}")
+                _check_snapshot_image(stored, image)
                 description = self._new_description(stored.template, layout, mounts, confinement)
                 description["snapshot"] = stored.id
                 if stored.image is not None:
@@ -1175,7 +1182,7 @@ class Backend:
         handle._network = network
         handle.session = create_sandbox_session(driver, self._slots, network)
         if image is not None:
-            handle.session.environment = session_environment(image, DEFAULT_ENV)
+            handle.session.environment = session_environment(image, DEFAULT_ENV, GATEWAY_ENVIRONMENT)
         self._live.add(handle)
         return handle
 

@@ -76,6 +76,10 @@ RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
 # What the session makes at the top of an image's root itself.
 IMAGE_ROOT_OWN = frozenset({"etc", "proc", "dev", "tmp", "run", WORKSPACE.lstrip("/")})
+# The most entries of an image's top and /etc the bwrap driver mounts: each
+# is a mount and three arguments for every command, whose cost grows with
+# their square (about 40 ms a command at 100 entries on the 2-core machine).
+MAX_IMAGE_ENTRIES = 400
 MAX_SIGNAL = 64
 # Starting a session runs one command to see that bwrap works here.
 PROBE_TIMEOUT = 10.0
@@ -132,29 +136,59 @@ def _host_root() -> list[str]:
     return plan
 
 
-def _image_root(listed: Path, source: Path, etc_files: Iterable[str]) -> list[str]:
-    """The guest's root from an image's tree (``listed`` here; bwrap finds
-    it at ``source``): each entry at its top and in its /etc, but those the
-    session makes itself, bound read-only or made again as a link. bwrap
-    0.8 has no overlay, so this is a mount per entry; the native driver's
-    is one overlay (csrc/rootfs.c)."""
-    plan = _entries_of(listed, source, "/", IMAGE_ROOT_OWN)
-    plan += ["--perms", "0755", "--dir", "/etc"]
-    if (listed / "etc").is_dir() and not (listed / "etc").is_symlink():
-        plan += _entries_of(listed / "etc", source / "etc", "/etc/", frozenset(etc_files))
-    return plan
+# An entry of an image's top or /etc: its name, and a link's target (None
+# for a directory or a regular file, which are bound).
+_Entry = tuple[str, str | None]
 
 
-def _entries_of(listed: Path, source: Path, guest: str, own: frozenset[str]) -> list[str]:
-    plan = []
-    for name in sorted(os.listdir(listed)):
+def _list_image(root: Path) -> tuple[list[_Entry], list[_Entry]]:
+    """The entries at an image's top and in its /etc (none if that is no
+    directory: a link or a file there is hidden by the session's /etc, as
+    with the native driver), once per session: bwrap 0.8 has no overlay,
+    so each is a mount of every command. More than MAX_IMAGE_ENTRIES is
+    SANDBOX_LIMIT (the native driver's one overlay has no such bound)."""
+    top = _entries_of(root, IMAGE_ROOT_OWN)
+    etc = root / "etc"
+    listed = (top, _entries_of(etc, frozenset()) if etc.is_dir() and not etc.is_symlink() else [])
+    count = sum(map(len, listed))
+    if count > MAX_IMAGE_ENTRIES:
+        raise SandboxError(
+            ErrorCode.SANDBOX_LIMIT,
+            f"the image has {count} entries at its top and in its /etc; the bwrap driver mounts each for every "
+            f"command and takes at most {MAX_IMAGE_ENTRIES} (the native driver mounts an image whole)",
+        )
+    return listed
+
+
+def _entries_of(directory: Path, own: frozenset[str]) -> list[_Entry]:
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        mode = os.lstat(directory / name).st_mode
         if name in own:
             continue
-        mode = os.lstat(listed / name).st_mode
         if stat.S_ISLNK(mode):
-            plan += ["--symlink", os.readlink(listed / name), guest + name]
+            entries.append((name, os.readlink(directory / name)))
         elif stat.S_ISDIR(mode) or stat.S_ISREG(mode):
-            plan += ["--ro-bind", str(source / name), guest + name]
+            entries.append((name, None))
+    return entries
+
+
+def _image_root(listed: tuple[list[_Entry], list[_Entry]], source: Path, etc_files: Iterable[str]) -> list[str]:
+    """The guest's root from an image's tree, listed by _list_image (bwrap
+    finds it at ``source``): each entry at its top and in its /etc but
+    those the session makes itself, bound read-only or made again as a
+    link."""
+    top, etc = listed
+    own_etc = frozenset(etc_files)
+    plan = []
+    for guest, entries in (("/", top), ("/etc/", [entry for entry in etc if entry[0] not in own_etc])):
+        if guest == "/etc/":
+            plan += ["--perms", "0755", "--dir", "/etc"]
+        for name, link in entries:
+            if link is None:
+                plan += ["--ro-bind", str(source / guest.lstrip("/") / name), guest + name]
+            else:
+                plan += ["--symlink", link, guest + name]
     return plan
 
 
@@ -251,22 +285,33 @@ class _RootHostNamespaces:
                 target.touch()
         self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, targets[1:], strict=False)))
         self.image_root = None if image_root is None else targets[-1]
+        # Each tree's owner's files are the guest's: the workspace's owner
+        # for it and the mounts, the importer for an image's (as on a host
+        # that is not root, where both are the one user sandboxns runs as).
+        owners = [(owner.st_uid, owner.st_gid)] * len(sources)
+        if image_root is not None:
+            image_owner = image_root.stat()
+            owners[-1] = (image_owner.st_uid, image_owner.st_gid)
+        idmaps: dict[tuple[int, int], int] = {}
         try:
             self.userns = _ffi.make_userns(
                 f"{guest[0]} {host_ids[0]} 1\n", f"{guest[1]} {host_ids[1]} 1\n", owner=host_ids
             )
-            idmap = _ffi.make_userns(f"{owner.st_uid} {host_ids[0]} 1\n", f"{owner.st_gid} {host_ids[1]} 1\n")
-        except OSError as exc:
-            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
-        try:
+            for uid, gid in set(owners):
+                idmaps[uid, gid] = _ffi.make_userns(f"{uid} {host_ids[0]} 1\n", f"{gid} {host_ids[1]} 1\n")
             self.mount_ns = _ffi.idmapped_mount_ns(
-                [str(source) for source in sources], [str(target) for target in targets], read_only, idmap
+                [str(source) for source in sources],
+                [str(target) for target in targets],
+                read_only,
+                [idmaps[tree_owner] for tree_owner in owners],
             )
         except OSError as exc:
-            os.close(self.userns)
+            if hasattr(self, "userns"):
+                os.close(self.userns)
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
         finally:
-            os.close(idmap)
+            for idmap in idmaps.values():
+                os.close(idmap)
 
     def close(self) -> None:
         os.close(self.userns)
@@ -535,6 +580,7 @@ class BwrapDriver(HostWorkspaceIO):
         root = check_image_root(image_root)
         if overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
+        listed = None if root is None else await trio.to_thread.run_sync(_list_image, root)
         bwrap = find_bwrap()
         if bwrap is None:
             raise SandboxError(
@@ -558,8 +604,8 @@ class BwrapDriver(HostWorkspaceIO):
         self._private = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-"))
         self._etc = self._private / "etc"
         self._sources = (self.workspace, extra)
-        # An image's root: where it is here, and where bwrap finds it.
-        self._image_root = (root, root)
+        # An image's root: its listing, and where bwrap finds it.
+        self._image_root = (listed, root)
         self._cgroup = None
         self._root_host = None
         # Each bwrap starts through `sandboxns-holder --enter` (this command
@@ -580,7 +626,7 @@ class BwrapDriver(HostWorkspaceIO):
                     self.workspace, extra, (uid, gid), host_ids, self._private, root
                 )
                 self._sources = self._root_host.sources
-                self._image_root = (root, self._root_host.image_root)
+                self._image_root = (listed, self._root_host.image_root)
                 # Host-side file operations act as the workspace's owner, so
                 # what they create is the guest's too.
                 self._fs_ids = self._root_host.owner_ids

@@ -124,11 +124,11 @@ def make_userns(uid_map: str, gid_map: str, owner: tuple[int, int] = (-1, -1)) -
 
 
 def idmapped_mount_ns(
-    sources: Sequence[str], targets: Sequence[str], readonly: Sequence[bool], idmap_userns_fd: int
+    sources: Sequence[str], targets: Sequence[str], readonly: Sequence[bool], idmap_userns_fds: Sequence[int]
 ) -> int:
     """A mount namespace in which each of ``targets`` shows the tree at the
-    same place in ``sources``, its files seen through the maps of
-    ``idmap_userns_fd``; returns its fd."""
+    same place in ``sources``, its files seen through the maps of the user
+    namespace at the same place in ``idmap_userns_fds``; returns its fd."""
     c_sources = [ffi.new("char[]", os.fsencode(path)) for path in sources]
     c_targets = [ffi.new("char[]", os.fsencode(path)) for path in targets]
     fd = lib.sbx_idmapped_mount_ns(
@@ -136,7 +136,7 @@ def idmapped_mount_ns(
         ffi.new("const char *[]", c_targets),
         ffi.new("int[]", [int(flag) for flag in readonly]),
         len(sources),
-        idmap_userns_fd,
+        ffi.new("int[]", list(idmap_userns_fds)),
     )
     if fd < 0:
         raise OSError(-fd, f"cannot prepare the workspace's id mapping: {os.strerror(-fd)}")

@@ -58,6 +58,8 @@ PROXY_TRUST_ENVIRONMENT = {
         "npm_config_cafile",
     )
 }  # fmt: skip
+# Every variable a policy's gateway sets in its commands' environment.
+GATEWAY_ENVIRONMENT = frozenset(PROXY_ENVIRONMENT) | frozenset(PROXY_TRUST_ENVIRONMENT)
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 9110 token characters.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")

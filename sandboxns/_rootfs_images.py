@@ -46,7 +46,7 @@ import stat
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -172,7 +172,8 @@ class ImageStore:
             with _Tree(staging / ROOT_NAME) as tree:
                 described = _unpack(source, tree)
             (staging / RECORD_NAME).write_text(json.dumps(described))
-            self._place(staging, self.root / described["digest"].removeprefix("sha256:"))
+            with self.locked(exclusive=False):  # not while a delete (of the same image) is half done
+                self._place(staging, self.root / described["digest"].removeprefix("sha256:"))
             return _image(described)
         except _Refused as refusal:
             raise invalid_argument(f"{source}: {refusal}") from None
@@ -206,11 +207,13 @@ class ImageStore:
                     _remove_tree(entry)
 
 
-def session_environment(image: Image, defaults: Mapping[str, str]) -> dict[str, str]:
+def session_environment(image: Image, defaults: Mapping[str, str], reserved: Collection[str]) -> dict[str, str]:
     """The default environment of a session on ``image``: ``defaults``
     (sandboxns's, never the host's) under the image's Env, which always
-    has a PATH (the OCI default where the image gives none)."""
-    return {**defaults, **image.env}
+    has a PATH (the OCI default where the image gives none), but for the
+    ``reserved`` names: a proxy or CA bundle an image names is not the
+    session's, whose network is its policy's (the gateway sets those)."""
+    return {**defaults, **{name: value for name, value in image.env.items() if name not in reserved}}
 
 
 def _image(described: dict) -> Image:
@@ -445,9 +448,12 @@ def _walk(source: Path) -> Iterator[str]:
 def _described(digest: str, config: dict, layers: int, tree: _Tree, source: str) -> dict:
     env = {"PATH": DEFAULT_PATH}
     for entry in config.get("Env") or []:
-        if isinstance(entry, str) and "=" in entry:
-            name, value = entry.split("=", 1)
-            env[name] = value
+        name, _, value = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+        if not name or "\0" in entry or "=" not in entry:
+            # Every command of the session would carry it, and be refused.
+            tree.skipped.append(f"config Env entry {entry!r}: not NAME=VALUE")
+            continue
+        env[name] = value
     working_dir = config.get("WorkingDir") or "/"
     return {
         "format": IMAGE_FORMAT,

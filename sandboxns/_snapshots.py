@@ -106,7 +106,7 @@ class Snapshot:
             "template": self.template,
             "layers": list(self.layers),
             "on_template": self.on_template,
-            # Only where there is one: an older sandboxns reads the rest.
+            # Only where there is one: records without are what they were.
             **({"image": self.image} if self.image is not None else {}),
         }
 

@@ -115,7 +115,9 @@ class TemplateStore:
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.root.parent}") from None
         except (ValueError, AttributeError):
             raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"template {key}'s record is unreadable") from None
-        return image if isinstance(image, str) else None
+        if image is not None and not isinstance(image, str):
+            raise SandboxError(ErrorCode.SANDBOX_STATE_MISMATCH, f"template {key}'s record names no image digest")
+        return image
 
     def store(self, backend: str, name: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
         """Write a template unless it is already there (then this is one

@@ -242,3 +242,70 @@ async def test_a_plain_root_filesystem_is_a_sessions_root(backend, tmp_path, wor
         "ID=plain-rootfs",
         "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     ]
+
+
+async def test_a_fork_pool_never_hands_out_a_fork_on_another_root(driver_name, state_dir, tmp_path):
+    if driver_name != "native":
+        pytest.skip("only the native driver pools forks")
+    async with sandboxns.open_backend(state_directory=state_dir) as backend:
+        image = await backend.import_image(tmp_path / "busybox")
+        template = await backend.prewarm(template="host", files={})
+        async with await backend.create(template=template.template_key, destroy_on_close=True) as origin:
+            snapshot = await origin.snapshot()
+        await backend.pool_forks(size=1)
+        await refused(ErrorCode.SANDBOX_INVALID_ARGUMENT, backend.create(snapshot=snapshot, image=image.digest))
+
+
+async def test_an_images_proxy_and_ca_settings_never_replace_the_gateways(backend, tmp_path, workspace):
+    busybox_layout(
+        tmp_path / "proxied",
+        env=("PATH=/bin", "HTTPS_PROXY=http://elsewhere:1", "SSL_CERT_FILE=/etc/mine.pem", "KEPT=1"),
+    )
+    image = await backend.import_image(tmp_path / "proxied")
+    assert image.env["HTTPS_PROXY"] == "http://elsewhere:1"  # recorded as the image says
+    policy = {"allow": [{"origin": "https://example.test", "headers": {"authorization": "Bearer x"}}]}
+    handle = await backend.create(workspace=workspace, image=image.digest, network=policy)
+    assert "HTTPS_PROXY" not in handle.session.environment and handle.session.environment["KEPT"] == "1"
+    seen = dict(line.split("=", 1) for line in (await handle.session.run("env")).stdout.splitlines())
+    assert seen["HTTPS_PROXY"].startswith("http://127.0.0.1:") and seen.get("SSL_CERT_FILE") != "/etc/mine.pem", seen
+
+
+async def test_an_env_entry_that_is_no_variable_is_skipped_and_reported(backend, tmp_path, workspace):
+    busybox_layout(tmp_path / "odd", env=("PATH=/bin", "=x", "NOEQUALS", "A\0B=c", "OK=1"))
+    image = await backend.import_image(tmp_path / "odd")
+    assert image.env == {"PATH": "/bin", "OK": "1"}
+    assert [line for line in image.skipped if "config Env" in line] == [
+        "config Env entry '=x': not NAME=VALUE",
+        "config Env entry 'NOEQUALS': not NAME=VALUE",
+        "config Env entry 'A\\x00B=c': not NAME=VALUE",
+    ]
+    handle = await backend.create(workspace=workspace, image=image.digest)
+    assert (await handle.session.run("env")).exit_code == 0
+
+
+async def test_an_images_files_are_the_guests_whoever_owns_the_workspace(backend, image, workspace):
+    template = await backend.prewarm(template="t", files={}, image=image.digest)
+    if os.geteuid() == 0:
+        os.chown(workspace, 12345, 12345)  # a root host's guest then writes it as that user's
+    for handle in (
+        await backend.create(template=template.template_key),
+        await backend.create(workspace=workspace, image=image.digest),
+    ):
+        owners = await sh(handle.session, "id -u; stat -c %u /etc/os-release /bin/busybox")
+        uid, *owned = owners.stdout.split()
+        assert owned == [uid, uid], owners
+
+
+async def test_an_image_the_bwrap_driver_cannot_mount_is_refused_leaving_nothing(
+    backend, driver_name, tmp_path, workspace, state_dir
+):
+    crowded = [entry(f"etc/conf-{index}", b"x") for index in range(450)]
+    busybox_layout(tmp_path / "crowded", more=crowded)
+    image = await backend.import_image(tmp_path / "crowded")
+    if driver_name == "native":
+        handle = await backend.create(workspace=workspace, image=image.digest)
+        assert (await sh(handle.session, "ls /etc | wc -l")).stdout.split() == ["456"]  # its 451 and the session's 5
+        return
+    error = await refused(ErrorCode.SANDBOX_LIMIT, backend.create(workspace=workspace, image=image.digest))
+    assert "native driver" in error.message
+    assert os.listdir(state_dir / "sessions") == []
