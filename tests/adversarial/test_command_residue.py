@@ -1,0 +1,89 @@
+"""Nothing of one command reaches the next in the same session but its
+workspace: a command plants state of every kind it can make, and the next
+looks for it (processes, SysV and POSIX IPC objects, files and modes of
+its scratch places, mounts, open fds, environment)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.smoke
+
+# Runs as the guest; prints what it planted, as JSON.
+PLANT = r"""
+import ctypes, errno, json, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_CREAT = 0o1000
+planted = {
+    "shm": libc.shmget(0x5B5, 4096, IPC_CREAT | 0o666),
+    "sem": libc.semget(0x5B6, 1, IPC_CREAT | 0o666),
+    "msg": libc.msgget(0x5B7, IPC_CREAT | 0o666),
+    "mq": libc.mq_open(b"/sandboxns-residue", os.O_CREAT | os.O_RDWR, 0o600, None),
+}
+for place in ("/tmp", "/dev/shm"):
+    with open(f"{place}/residue", "w") as f:
+        f.write("left behind")
+    os.mkdir(f"{place}/residue-dir")
+    os.chmod(place, 0o700)
+leaked = os.open("/workspace", os.O_RDONLY)  # inheritable
+os.set_inheritable(leaked, True)
+# A process that leaves the command's session and process group, twice
+# over; it says it runs by opening a FIFO for writing.
+os.mkfifo("/tmp/running")
+subprocess.Popen(
+    ["sh", "-c", "setsid sh -c 'exec 3>/tmp/running; exec sleep 1001' </dev/null >/dev/null 2>&1 &"], close_fds=False
+).wait()
+open("/tmp/running").close()
+planted["sleeping"] = sorted(
+    int(pid) for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in (1, os.getpid())
+)
+print(json.dumps(planted))
+"""
+
+# Runs as the guest; prints what it finds, as JSON.
+LOOK = r"""
+import ctypes, json, os, stat
+libc = ctypes.CDLL(None, use_errno=True)
+found = {
+    "sysvipc": {kind: open(f"/proc/sysvipc/{kind}").read().splitlines()[1:] for kind in ("shm", "sem", "msg")},
+    "mq": libc.mq_open(b"/sandboxns-residue", os.O_RDONLY, 0, None),
+    "mq_errno": ctypes.get_errno(),
+    "scratch": {place: (sorted(os.listdir(place)), oct(stat.S_IMODE(os.stat(place).st_mode))) for place in ("/tmp", "/dev/shm")},
+    "processes": sorted(
+        open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode()
+        for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()
+    ),
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+    "mounts": sorted(line.split()[4] for line in open("/proc/self/mountinfo")),
+    "environment": dict(os.environ),
+}
+print(json.dumps(found))
+"""
+
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "MARK": "given"}
+
+
+async def look(session) -> dict:
+    result = await session.run("python3", ["-c", LOOK], env=ENV)
+    assert result.exit_code == 0, result
+    return json.loads(result.stdout)
+
+
+async def test_nothing_a_command_plants_reaches_the_next(session):
+    before = await look(session)
+    planting = await session.run("python3", ["-c", PLANT], env=ENV)
+    assert planting.exit_code == 0, planting
+    planted = json.loads(planting.stdout)
+    # Every kind was made for real: otherwise the look below proves nothing.
+    assert all(planted[kind] >= 0 for kind in ("shm", "sem", "msg", "mq")), planted
+    assert planted["sleeping"], planted  # the escaped process was running
+    after = await look(session)
+    assert after["sysvipc"] == {"shm": [], "sem": [], "msg": []}, after
+    assert after["mq"] == -1 and after["mq_errno"] == 2, after  # ENOENT
+    assert after["scratch"] == {"/tmp": [[], "0o1777"], "/dev/shm": [[], "0o1777"]}, after
+    # Only the looking command's own process tree: its init, itself.
+    assert after["processes"] == before["processes"], after
+    assert after["fds"] == before["fds"] and after["mounts"] == before["mounts"], after
+    assert after["environment"] == before["environment"] == {**ENV, "PWD": "/workspace"}, after
