@@ -8,6 +8,9 @@ Runs, with a progress bar on stderr:
                native alternating, then the bwrap driver
   create       backend.create() for 10 / 1,000 / 10,000-file templates (the
                default overlay layout; create_latency.py also measures copies)
+  cpu          CPU per sequential /usr/bin/true: this process's, and the
+               spawned side's (a bare spawn's child; the native session's
+               launcher, holder, inits and commands)
 
 and writes ``results.json`` and, with matplotlib installed (the ``bench``
 extra), ``results.png`` into ``--out``. The gateway and farm-scale numbers
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the scripts import each other 
 
 import create_latency
 import spawn_latency
-from measuring import interleaved_rates, percentiles
+from measuring import interleaved_rates, percentiles, process_tree_cpu
 
 import sandboxns
 
@@ -101,6 +105,41 @@ async def throughput(seconds: float, progress: Progress) -> dict[str, dict[str, 
     return results
 
 
+async def cpu_per_command(n: int) -> dict[str, dict[str, float]]:
+    """Microseconds of CPU per command, sequential: the host's (this
+    process) and the spawned side's."""
+
+    async def bare() -> None:
+        await trio.run_process([spawn_latency.TRUE])
+
+    def reaped_children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="sandboxns-bench-") as workspace:
+        async with sandboxns.open_sandbox(workspace) as session:
+
+            async def native() -> None:
+                await session.run(spawn_latency.TRUE)
+
+            variants = {
+                "bare": (bare, reaped_children),
+                "native": (native, lambda: process_tree_cpu(session.driver._pid)),
+            }
+            for name, (run, spawned) in variants.items():
+                for _ in range(20):
+                    await run()
+                host, side = time.process_time(), spawned()
+                for _ in range(n):
+                    await run()
+                results[name] = {
+                    "host_us": round((time.process_time() - host) / n * 1e6, 1),
+                    "spawned_us": round((spawned() - side) / n * 1e6, 1),
+                }
+    return results
+
+
 async def run_suite(args: argparse.Namespace) -> dict:
     progress = Progress()
     samples = await spawn_latency.sample(args.n, progress)
@@ -115,6 +154,9 @@ async def run_suite(args: argparse.Namespace) -> dict:
         for name, stats in (await create_latency.measure(max(3, args.n // 100), ("overlay",))).items()
     }
     progress("create", 1.0)
+    progress("cpu", 0.0)
+    results["cpu_per_command"] = await cpu_per_command(max(200, args.n * 2))
+    progress("cpu", 1.0)
     progress.done()
     return results
 
@@ -166,6 +208,7 @@ def main() -> int:
         )
     print("throughput (commands/s):", json.dumps(results["throughput_per_s"]))
     print("create p50 (ms):", json.dumps(results["create_p50_ms"]))
+    print("CPU per command (us):", json.dumps(results["cpu_per_command"]))
     drew = plot(results, args.out / "results.png")
     print(f"wrote {args.out / 'results.json'}" + (f" and {args.out / 'results.png'}" if drew else
           " (install the bench extra for the plot)") + f" in {time.monotonic() - started:.0f} s")  # fmt: skip

@@ -4,6 +4,7 @@ commands per second, and writing results."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Awaitable, Callable
 
@@ -65,3 +66,26 @@ def write_json(path: str | None, results: dict) -> None:
         with open(path, "w") as out:
             json.dump(results, out, indent=2)
             out.write("\n")
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user and system) of ``pid`` and every live descendant,
+    each with what its reaped children used: all a sandbox's processes
+    have used, read from /proc (clock ticks, so measure many commands)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending, seen = 0, [pid], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    pending.extend(int(child) for child in children.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile: its parent's counts have it
+    return total / ticks

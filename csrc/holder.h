@@ -150,7 +150,13 @@ struct exec_plan {
     char **envp;
     int fds[SBX_NFDS];
     uint64_t rlimits[SBX_NRLIMITS];
+    const struct seccomp_part *seccomp; /* the command part, which the command installs */
 };
+
+/* What an init tells the holder on its request socket (see spawn.c): its
+ * command's tree is gone and reported; it is ready for the next request. */
+#define INIT_DONE 'd'
+#define INIT_READY 'r'
 pid_t spawn_idle_init(const struct command_settings *settings, int *pidfd, int *request_fd,
                       struct sbx_report *err);
 

@@ -1,10 +1,16 @@
 /* The holder's request loop: one epoll set over the control socket and, per
- * init, its pidfd and (once it runs a command) the command's reply socket.
+ * init, its pidfd, its request socket and (while it runs a command) the
+ * command's reply socket.
  *
- * One init is always prepared ahead (see spawn.c). A request is forwarded to
- * it as received, fds and all; the holder keeps the reply socket to forward
- * signal requests, to notice the host giving up on the command (the socket
- * closes), and to report for an init that was killed and so cannot. */
+ * An init is always ready ahead (see spawn.c). A request is forwarded to an
+ * idle one as received, fds and all; the holder keeps the reply socket to
+ * forward signal requests, to notice the host giving up on the command (the
+ * socket closes), and to report for an init that was killed and so cannot.
+ * An init says on its request socket when its command's tree is gone and
+ * reported (INIT_DONE: the holder lets go of the reply socket), and when it
+ * has put its namespaces back for another command (INIT_READY: it is idle
+ * again). Up to MAX_IDLE_INITS wait; one more than that, or one made before
+ * the workspace was restacked, is killed instead. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
@@ -17,7 +23,10 @@
 #include "holder.h"
 #include "syscalls.h"
 
-enum watch_kind { WATCH_CONTROL, WATCH_REPLY, WATCH_INIT };
+enum watch_kind { WATCH_CONTROL, WATCH_REPLY, WATCH_INIT, WATCH_REQUEST };
+
+/* As many as the host admits commands at once, by default. */
+#define MAX_IDLE_INITS 8
 
 struct init;
 
@@ -29,14 +38,19 @@ struct watch {
 struct init {
     pid_t pid;
     int pidfd;
-    int request_fd; /* holder's end of the init's request socket; -1 once used */
-    int reply_fd;   /* the command's reply socket; -1 while idle or once closed */
-    struct watch reply_watch, pid_watch;
-    struct init *next;
+    int request_fd; /* holder's end of the init's request socket */
+    int reply_fd;   /* the command's reply socket; -1 while idle or once done */
+    unsigned generation; /* of the workspace's stack it was made over */
+    struct watch reply_watch, pid_watch, request_watch;
+    struct init *next;      /* in inits */
+    struct init *next_idle; /* in idle, while it is there */
+    int is_idle;
 };
 
 static struct init *inits; /* every init not yet reaped */
-static struct init *idle;  /* the prepared one, if any */
+static struct init *idle;  /* the ones waiting for a request, last ready first */
+static int nidle;
+static unsigned generation; /* bumped when /workspace is restacked */
 static int epoll_fd = -1;
 static const struct command_settings *settings;
 static struct overlay_stack *workspace_stack;
@@ -54,6 +68,51 @@ static void close_fds(int *fds, int n)
             close(fds[i]);
 }
 
+static void push_idle(struct init *init)
+{
+    init->next_idle = idle;
+    init->is_idle = 1;
+    idle = init;
+    nidle++;
+}
+
+static struct init *pop_idle(void)
+{
+    struct init *init = idle;
+
+    if (init) {
+        idle = init->next_idle;
+        init->is_idle = 0;
+        nidle--;
+    }
+    return init;
+}
+
+static void remove_idle(struct init *init)
+{
+    struct init **link;
+
+    if (!init->is_idle)
+        return;
+    for (link = &idle; *link != init; link = &(*link)->next_idle)
+        ;
+    *link = init->next_idle;
+    init->is_idle = 0;
+    nidle--;
+}
+
+/* Idle inits see the workspace as it was when they were made: after a
+ * restack, they go (each is reaped as any other), and so will the busy
+ * ones when they are done. */
+static void retire_inits(void)
+{
+    struct init *init;
+
+    generation++;
+    while ((init = pop_idle()))
+        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+}
+
 static int prepare_init(struct sbx_report *err)
 {
     struct init *init = calloc(1, sizeof *init);
@@ -66,9 +125,11 @@ static int prepare_init(struct sbx_report *err)
         return -1;
     }
     init->reply_fd = -1;
+    init->generation = generation;
     init->pid_watch = (struct watch){WATCH_INIT, init};
     init->reply_watch = (struct watch){WATCH_REPLY, init};
-    if (watch_fd(init->pidfd, &init->pid_watch) < 0) {
+    init->request_watch = (struct watch){WATCH_REQUEST, init};
+    if (watch_fd(init->pidfd, &init->pid_watch) < 0 || watch_fd(init->request_fd, &init->request_watch) < 0) {
         int e = errno;
         /* Unwatched, it could never be reaped: don't let it exist. */
         sys_pidfd_send_signal(init->pidfd, SIGKILL);
@@ -80,7 +141,7 @@ static int prepare_init(struct sbx_report *err)
     }
     init->next = inits;
     inits = init;
-    idle = init;
+    push_idle(init);
     return 0;
 }
 
@@ -115,10 +176,7 @@ static void restack(const char *buf, size_t len, int reply_fd)
         rc = overlay_replace(workspace_stack, names[0], names[1], names + 2, (int)req.argc - 2, &workspace_fd, &err);
     if (rc < 0)
         goto refuse;
-    if (idle) {
-        sys_pidfd_send_signal(idle->pidfd, SIGKILL); /* reaped as any other */
-        idle = NULL;
-    }
+    retire_inits();
     report_send_with_fds(reply_fd, &(struct sbx_report){.kind = SBX_REPORT_READY}, &workspace_fd, 1);
     close(workspace_fd);
     close(reply_fd);
@@ -126,10 +184,8 @@ static void restack(const char *buf, size_t len, int reply_fd)
     return;
 refuse:
     /* A failed swap leaves /workspace unknown: no init of the old one either. */
-    if (idle && strcmp(err.step, "restack-swap") == 0) {
-        sys_pidfd_send_signal(idle->pidfd, SIGKILL);
-        idle = NULL;
-    }
+    if (strcmp(err.step, "restack-swap") == 0)
+        retire_inits();
     report_send(reply_fd, &err);
     close(reply_fd);
 }
@@ -141,23 +197,21 @@ static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
 
     if (!idle && prepare_init(&err) < 0)
         goto refuse;
-    init = idle;
-    idle = NULL;
+    init = pop_idle();
     if (send_with_fds(init->request_fd, buf, len, fds, SBX_NFDS) < 0) {
         fail(&err, "dispatch", errno, "cannot hand the command to its init");
         sys_pidfd_send_signal(init->pidfd, SIGKILL);
         goto refuse;
     }
-    close(init->request_fd);
-    init->request_fd = -1;
     /* The init has its own copies now; the holder keeps only the reply. */
     close_fds(fds + SBX_FD_STDIN, SBX_NFDS - SBX_FD_STDIN);
     init->reply_fd = fds[SBX_FD_REPLY];
     if (watch_fd(init->reply_fd, &init->reply_watch) < 0)
         sys_pidfd_send_signal(init->pidfd, SIGKILL); /* unmanageable: its reap reports */
-    /* Get the next one ready while this command runs. A failure here is
-     * retried, and reported, by the next request. */
-    prepare_init(&err);
+    /* Get the next one ready while this command runs, unless one waits. A
+     * failure here is retried, and reported, by the next request. */
+    if (!idle)
+        prepare_init(&err);
     return;
 refuse:
     report_send(fds[SBX_FD_REPLY], &err);
@@ -196,6 +250,10 @@ static void serve_reply(struct init *init)
     struct sbx_signal_request req;
     ssize_t n;
 
+    /* An event of this batch for a command whose init said INIT_DONE
+     * earlier in it: nothing to forward any more. */
+    if (init->reply_fd < 0)
+        return;
     while ((n = recv(init->reply_fd, &req, sizeof req, MSG_DONTWAIT)) == (ssize_t)sizeof req)
         sys_pidfd_send_signal(init->pidfd, req.signal);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
@@ -207,6 +265,36 @@ static void serve_reply(struct init *init)
     }
 }
 
+static void stop_watching_reply(struct init *init)
+{
+    if (init->reply_fd < 0)
+        return;
+    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
+    close(init->reply_fd);
+    init->reply_fd = -1;
+}
+
+/* What the init says of its command, and of itself (see the top). */
+static void serve_request(struct init *init)
+{
+    char said[8];
+    ssize_t n = recv(init->request_fd, said, sizeof said, MSG_DONTWAIT);
+
+    for (ssize_t i = 0; i < n; i++) {
+        if (said[i] == INIT_DONE) {
+            stop_watching_reply(init);
+        } else if (said[i] == INIT_READY && !init->is_idle) {
+            if (init->generation == generation && nidle < MAX_IDLE_INITS)
+                push_idle(init);
+            else
+                sys_pidfd_send_signal(init->pidfd, SIGKILL); /* reaped as any other */
+        }
+    }
+    /* Its end closed (it is exiting): the reap follows. */
+    if (n == 0)
+        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->request_fd, NULL);
+}
+
 static void reap(struct init *init)
 {
     struct init **link;
@@ -214,6 +302,7 @@ static void reap(struct init *init)
 
     if (waitpid(init->pid, &status, WNOHANG) <= 0)
         return;
+    serve_request(init); /* an INIT_DONE it sent before it died */
     /* An init that exits 0 has reported the command's status itself. One that
      * was killed (timeout, cancellation) could not: its pid namespace, and so
      * the whole tree, is gone now, so report for it. */
@@ -222,18 +311,14 @@ static void reap(struct init *init)
     for (link = &inits; *link != init; link = &(*link)->next)
         ;
     *link = init->next;
-    if (idle == init)
-        idle = NULL;
+    remove_idle(init);
     /* Deregister before closing: a freshly cloned init may still hold a copy
      * of these fds, and epoll forgets an fd only when its last copy closes. */
     epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->pidfd, NULL);
     close(init->pidfd);
-    if (init->reply_fd >= 0) {
-        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
-        close(init->reply_fd);
-    }
-    if (init->request_fd >= 0)
-        close(init->request_fd);
+    stop_watching_reply(init);
+    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->request_fd, NULL);
+    close(init->request_fd);
     free(init);
 }
 
@@ -266,6 +351,9 @@ int holder_serve(int control_fd, const struct command_settings *command_settings
                 break;
             case WATCH_REPLY:
                 serve_reply(watch->init);
+                break;
+            case WATCH_REQUEST:
+                serve_request(watch->init);
                 break;
             case WATCH_INIT:
                 reap(watch->init);

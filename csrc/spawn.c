@@ -1,17 +1,26 @@
-/* One command: a per-command init in fresh mount and pid namespaces, and the
- * command itself under it.
+/* Commands: a per-command init in fresh mount, pid and IPC namespaces, and
+ * the command itself under it.
  *
- *   holder --clone3(NEWNS|NEWPID)--> init (pid 1) --fork--> command (pid 2)
+ *   holder --clone3(NEWNS|NEWPID|NEWIPC)--> init (pid 1) --fork--> command (pid 2)
  *
- * The holder prepares the next init before any request arrives: creating the
- * namespaces and mounting an empty /tmp, /dev/shm and the init's own /proc is
- * most of a command's setup cost, and this takes it off the request's path.
- * The prepared init waits on its own socket for one request (the same message
- * the host sent, with the same fds), forks the command, forwards termination
- * signals to it, and when it exits kills and reaps every other process in the
- * namespace (including ones that setsid() or double-forked away) before
- * reporting the exit status. So when the host sees EXITED, the command's whole
- * tree is gone. */
+ * The holder prepares an init before any request arrives: creating the
+ * namespaces and mounting an empty /tmp, /dev/shm and the init's own /proc
+ * is most of a command's setup cost, and this takes it off the request's
+ * path. The init waits on its own socket for a request (the same message the
+ * host sent, with the same fds), forks the command, forwards termination
+ * signals to it, and when it exits kills and reaps every other process in
+ * the namespace (including ones that setsid() or double-forked away) before
+ * reporting the exit status. So when the host sees EXITED, the command's
+ * whole tree is gone.
+ *
+ * Then, rather than exit (and have the kernel tear the namespaces down, and
+ * the holder make new ones for the next command), the init puts them back
+ * as a new one finds them and waits for another request: an empty /tmp and
+ * /dev/shm (mounted afresh unless provably untouched), no SysV IPC object
+ * and no POSIX message queue left, and the next pid 2. Nothing else of a
+ * command outlives it: its processes are gone, it could not mount (no
+ * capabilities, and the command part of the seccomp filter, which each
+ * command installs itself), and the rest of its root is read-only. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -21,10 +30,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/mount.h>
+#include <sys/msg.h>
 #include <sys/prctl.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include "holder.h"
@@ -144,6 +159,10 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
              strerror(errno));
         goto out_report;
     }
+    /* The rest of the filter: the init, which outlives the command, keeps
+     * the mount calls it resets the namespaces with. */
+    if (seccomp_install(plan->seccomp, &err) < 0)
+        goto out_report;
     exec_command(plan, &err);
 out_report:
     report_send(COMMAND_REPORT_FD, &err);
@@ -268,60 +287,204 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
     return 0;
 }
 
-/* pid 1 of the command's pid namespace. It keeps the holder's stdio
- * (/dev/null) open so the fds it receives land above 2, where setting up the
- * command's stdio cannot clobber them. */
-static void __attribute__((noreturn)) run_init(const struct command_settings *settings, int request_fd)
+/* What an init keeps to put its namespaces back after each command. */
+struct init_state {
+    int scratch[2];   /* O_DIRECTORY fds of /tmp and /dev/shm as last mounted */
+    struct stat scratch_made[2];
+    ssize_t scratch_xattrs[2]; /* the length of their extended attributes' names then */
+    int last_pid;     /* /proc/sys/kernel/ns_last_pid, opened for writing before /proc/sys was made read-only */
+    int mqueues;      /* a directory fd of this IPC namespace's mqueue file system, never attached anywhere */
+};
+
+static const char *const scratch_paths[2] = {"/tmp", "/dev/shm"};
+
+static int mount_scratch_place(int index, const struct command_settings *settings, struct init_state *state,
+                               struct sbx_report *err)
 {
-    struct sigaction forward = {.sa_handler = forward_signal};
-    struct exec_plan plan;
-    struct sbx_report err;
-    int status = 0, command_status = 0, command_done = 0, setup_failed = 0;
-    pid_t pid;
+    const char *path = scratch_paths[index];
 
-    /* If the holder dies, so does the init and with it the whole tree. */
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
-        setup_failed = fail(&err, "pdeathsig", errno, "cannot set the parent-death signal: %s",
-                            strerror(errno));
-    else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
-        setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
-                            strerror(errno));
-    else if (mount_scratch("/tmp", MS_NOSUID | MS_NODEV, settings->tmp_bytes, &err) < 0 ||
-             mount_scratch("/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
-             mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
-             make_read_only("/proc/sys", &err) < 0 ||
-             /* Once its mounts are made: the rest of the filter, which the
-              * command inherits through its clone. Everything the init and
-              * the command still do before execve is allowed, and loading it
-              * here keeps that work off the request's path. */
-             seccomp_install(&settings->seccomp, &err) < 0)
-        setup_failed = 1;
-    sigemptyset(&forward.sa_mask);
-    sigaction(SIGTERM, &forward, NULL);
-    sigaction(SIGINT, &forward, NULL);
-    sigaction(SIGHUP, &forward, NULL);
+    if (mount_scratch(path, MS_NOSUID | MS_NODEV | (index ? MS_NOEXEC : 0), index ? SBX_SHM_BYTES : settings->tmp_bytes,
+                      err) < 0)
+        return -1;
+    state->scratch[index] = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (state->scratch[index] < 0 || fstat(state->scratch[index], &state->scratch_made[index]) < 0 ||
+        (state->scratch_xattrs[index] = flistxattr(state->scratch[index], NULL, 0)) < 0)
+        return fail(err, "mount", errno, "cannot open %s: %s", path, strerror(errno));
+    return 0;
+}
 
-    /* A failed setup is reported to the request that would have used it. */
-    switch (receive_plan(request_fd, &plan, setup_failed ? &(struct sbx_report){0} : &err)) {
-    case -1:
-        _exit(0);
-    case 1:
-        goto fail;
+static int same_time(const struct timespec *a, const struct timespec *b)
+{
+    return a->tv_sec == b->tv_sec && a->tv_nsec == b->tv_nsec;
+}
+
+/* A scratch place as it was mounted: empty, with its own mode, owner,
+ * times and extended attributes (an ACL is one). Nothing else of an empty
+ * tmpfs can carry anything, and nothing can be made below it without
+ * changing it. Even reading it can (its access time): then it is mounted
+ * afresh, as when anything is off. */
+static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs)
+{
+    char entries[1024] __attribute__((aligned(8)));
+    struct stat now;
+    long n;
+
+    if (fstat(fd, &now) < 0 || now.st_mode != made->st_mode || now.st_uid != made->st_uid ||
+        now.st_gid != made->st_gid || now.st_nlink != made->st_nlink || now.st_size != made->st_size ||
+        !same_time(&now.st_atim, &made->st_atim) || !same_time(&now.st_mtim, &made->st_mtim) ||
+        !same_time(&now.st_ctim, &made->st_ctim) || flistxattr(fd, NULL, 0) != xattrs || lseek(fd, 0, SEEK_SET) < 0)
+        return 0;
+    n = syscall(SYS_getdents64, fd, entries, sizeof entries);
+    for (long at = 0; n > 0 && at < n;) {
+        struct dirent64 *entry = (struct dirent64 *)(entries + at);
+
+        if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+            return 0;
+        at += entry->d_reclen;
     }
-    close(request_fd);
-    if (setup_failed)
-        goto fail;
+    return n >= 0;
+}
 
-    pid = spawn_command(&plan);
-    if (pid < 0) {
-        fail(&err, "fork", errno, "cannot fork the command: %s", strerror(errno));
-        goto fail;
+/* Every SysV object of this IPC namespace (there are seldom any: counting
+ * them is three calls), by the ids /proc/sysvipc lists. */
+static int remove_sysv_objects(struct sbx_report *err)
+{
+    static const char *const kinds[3] = {"shm", "sem", "msg"};
+    struct shm_info shm;
+    struct seminfo sem;
+    struct msginfo msg;
+
+    if (shmctl(0, SHM_INFO, (struct shmid_ds *)&shm) < 0 || semctl(0, 0, SEM_INFO, &sem) < 0 ||
+        msgctl(0, MSG_INFO, (struct msqid_ds *)&msg) < 0)
+        return fail(err, "reset", errno, "cannot count IPC objects: %s", strerror(errno));
+    if (shm.used_ids == 0 && sem.semusz == 0 && msg.msgpool == 0)
+        return 0;
+    for (int kind = 0; kind < 3; kind++) {
+        char path[32], line[512];
+        FILE *listing;
+
+        snprintf(path, sizeof path, "/proc/sysvipc/%s", kinds[kind]);
+        listing = fopen(path, "re");
+        if (!listing)
+            return fail(err, "reset", errno, "cannot list %s: %s", path, strerror(errno));
+        fgets(line, sizeof line, listing); /* the header */
+        while (fgets(line, sizeof line, listing)) {
+            int key, id, rc;
+
+            if (sscanf(line, "%d %d", &key, &id) != 2)
+                continue;
+            rc = kind == 0 ? shmctl(id, IPC_RMID, NULL) : kind == 1 ? semctl(id, 0, IPC_RMID) : msgctl(id, IPC_RMID, NULL);
+            if (rc < 0 && errno != EINVAL && errno != EIDRM) {
+                int e = errno;
+                fclose(listing);
+                return fail(err, "reset", e, "cannot remove a SysV %s object: %s", kinds[kind], strerror(e));
+            }
+        }
+        fclose(listing);
     }
+    return 0;
+}
+
+static int remove_message_queues(int directory, struct sbx_report *err)
+{
+    char entries[1024] __attribute__((aligned(8)));
+    long n;
+
+    while (lseek(directory, 0, SEEK_SET) == 0 &&
+           (n = syscall(SYS_getdents64, directory, entries, sizeof entries)) > 0) {
+        int removed = 0;
+
+        for (long at = 0; at < n;) {
+            struct dirent64 *entry = (struct dirent64 *)(entries + at);
+
+            at += entry->d_reclen;
+            if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
+                continue;
+            if (unlinkat(directory, entry->d_name, 0) < 0)
+                return fail(err, "reset", errno, "cannot remove message queue %s: %s", entry->d_name,
+                            strerror(errno));
+            removed = 1;
+        }
+        if (!removed)
+            return 0;
+    }
+    return fail(err, "reset", errno, "cannot list the message queues: %s", strerror(errno));
+}
+
+/* Once per init: the handles the resets need. The mqueue file system is
+ * mounted detached, so no guest sees it; it shows this IPC namespace's
+ * queues. */
+static int open_reset_handles(struct init_state *state, struct sbx_report *err)
+{
+    int fs, mnt;
+
+    state->last_pid = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
+    if (state->last_pid < 0)
+        return fail(err, "mount", errno, "cannot open ns_last_pid: %s", strerror(errno));
+    fs = sys_fsopen("mqueue", FSOPEN_CLOEXEC);
+    if (fs < 0)
+        return fail(err, "mount", errno, "cannot open a message queue file system: %s", strerror(errno));
+    if (sys_fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0 || (mnt = sys_fsmount(fs, FSMOUNT_CLOEXEC, 0)) < 0) {
+        int e = errno;
+        close(fs);
+        return fail(err, "mount", e, "cannot mount a message queue file system: %s", strerror(e));
+    }
+    close(fs);
+    state->mqueues = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    close(mnt);
+    if (state->mqueues < 0)
+        return fail(err, "mount", errno, "cannot open the message queue file system: %s", strerror(errno));
+    return 0;
+}
+
+/* Put the namespaces back as a new init has them (see the top of the file). */
+static int reset_namespaces(const struct command_settings *settings, struct init_state *state, struct sbx_report *err)
+{
+    for (int i = 0; i < 2; i++) {
+        if (scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i]))
+            continue;
+        close(state->scratch[i]);
+        if (umount2(scratch_paths[i], MNT_DETACH) < 0)
+            return fail(err, "reset", errno, "cannot unmount %s: %s", scratch_paths[i], strerror(errno));
+        if (mount_scratch_place(i, settings, state, err) < 0)
+            return -1;
+    }
+    if (remove_sysv_objects(err) < 0 || remove_message_queues(state->mqueues, err) < 0)
+        return -1;
+    /* The next command is pid 2, as in a new pid namespace. */
+    if (pwrite(state->last_pid, "1", 1, 0) != 1)
+        return fail(err, "reset", errno, "cannot reset the next pid: %s", strerror(errno));
+    return 0;
+}
+
+static void close_plan_fds(struct exec_plan *plan)
+{
+    for (int i = 0; i < SBX_NFDS; i++)
+        if (plan->fds[i] >= 0)
+            close(plan->fds[i]);
+}
+
+static void tell_holder(int request_fd, char what)
+{
+    while (write(request_fd, &what, 1) < 0 && errno == EINTR)
+        ;
+}
+
+/* Run one command to the end of its tree; its wait status, or -1 if it
+ * could not be forked. */
+static int run_one(struct exec_plan *plan, struct sbx_report *err)
+{
+    int status, command_status = 0, command_done = 0;
+    pid_t pid = spawn_command(plan);
+
+    if (pid < 0)
+        return fail(err, "fork", errno, "cannot fork the command: %s", strerror(errno));
     command_pid = pid;
     /* stdout and stderr stay open here until after EXITED is sent: the host
      * then wakes once, for the report, and reads what the tree left in the
      * pipes, rather than first for their end-of-file and then again. */
-    close(plan.fds[SBX_FD_STDIN]);
+    close(plan->fds[SBX_FD_STDIN]);
+    plan->fds[SBX_FD_STDIN] = -1;
 
     /* Reap everything; once the command is gone, kill the rest. As pid 1,
      * kill(-1) reaches every other process in this namespace. */
@@ -341,8 +504,60 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
         if (command_done)
             kill(-1, SIGKILL);
     }
-    report_exit_status(plan.fds[SBX_FD_REPLY], command_status);
-    _exit(0);
+    return command_status;
+}
+
+/* pid 1 of the commands' pid namespace. It keeps the holder's stdio
+ * (/dev/null) open so the fds it receives land above 2, where setting up the
+ * command's stdio cannot clobber them. */
+static void __attribute__((noreturn)) run_init(const struct command_settings *settings, int request_fd)
+{
+    struct sigaction forward = {.sa_handler = forward_signal};
+    struct init_state state;
+    struct exec_plan plan = {.seccomp = &settings->seccomp, .fds = {-1, -1, -1, -1}};
+    struct sbx_report err;
+    int setup_failed = 0;
+
+    /* If the holder dies, so does the init and with it the whole tree. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        setup_failed = fail(&err, "pdeathsig", errno, "cannot set the parent-death signal: %s",
+                            strerror(errno));
+    else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
+        setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
+                            strerror(errno));
+    else if (mount_scratch_place(0, settings, &state, &err) < 0 ||
+             mount_scratch_place(1, settings, &state, &err) < 0 ||
+             mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
+             open_reset_handles(&state, &err) < 0 || make_read_only("/proc/sys", &err) < 0)
+        setup_failed = 1;
+    sigemptyset(&forward.sa_mask);
+    sigaction(SIGTERM, &forward, NULL);
+    sigaction(SIGINT, &forward, NULL);
+    sigaction(SIGHUP, &forward, NULL);
+
+    for (;;) {
+        int status;
+
+        /* A failed setup is reported to the request that would have used it. */
+        switch (receive_plan(request_fd, &plan, setup_failed ? &(struct sbx_report){0} : &err)) {
+        case -1:
+            _exit(0);
+        case 1:
+            goto fail;
+        }
+        if (setup_failed || (status = run_one(&plan, &err)) < 0)
+            goto fail;
+        /* The holder forgets the command before the host hears of it: a
+         * report for it can only come from here. */
+        tell_holder(request_fd, INIT_DONE);
+        report_exit_status(plan.fds[SBX_FD_REPLY], status);
+        close_plan_fds(&plan);
+        /* An init that cannot put its namespaces back goes (having reported
+         * its command), and the holder makes a new one. */
+        if (reset_namespaces(settings, &state, &err) < 0)
+            _exit(0);
+        tell_holder(request_fd, INIT_READY);
+    }
 fail:
     report_send(plan.fds[SBX_FD_REPLY], &err);
     _exit(1);

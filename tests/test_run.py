@@ -24,6 +24,24 @@ async def test_exit_code_signal_and_output(session):
     assert (killed.exit_code, killed.signal) == (None, signal.SIGTERM)
 
 
+async def test_concurrent_commands_each_get_their_own_status_and_output(session):
+    # Eight callers at once, forty commands each: every command's result is
+    # its own (the native holder hands commands to whichever init is idle,
+    # and makes more while all are busy).
+    results: dict[int, sandboxns.RunResult] = {}
+
+    async def caller(first: int) -> None:
+        for number in range(first, first + 40):
+            results[number] = await session.run("sh", ["-c", f"echo {number}; exit {number % 7}"])
+
+    async with trio.open_nursery() as nursery:
+        for first in range(0, 320, 40):
+            nursery.start_soon(caller, first)
+    assert sorted(results) == list(range(320))
+    for number, result in results.items():
+        assert (result.exit_code, result.stdout) == (number % 7, f"{number}\n"), (number, result)
+
+
 async def test_exit_127_from_the_command_is_not_a_setup_failure(session):
     result = await session.run("/bin/sh", ["-c", "exit 127"])
     assert result.exit_code == 127

@@ -87,3 +87,30 @@ async def test_nothing_a_command_plants_reaches_the_next(session):
     assert after["processes"] == before["processes"], after
     assert after["fds"] == before["fds"] and after["mounts"] == before["mounts"], after
     assert after["environment"] == before["environment"] == {**ENV, "PWD": "/workspace"}, after
+
+
+# Leaves /tmp and /dev/shm empty, but not as they were: old times, an
+# extended attribute where the kernel keeps them on tmpfs.
+MARK_ONLY = r"""
+import errno, os
+for place in ("/tmp", "/dev/shm"):
+    os.utime(place, (978307200, 978307200))
+    try:
+        os.setxattr(place, "user.residue", b"1")
+    except OSError as exc:
+        if exc.errno != errno.EOPNOTSUPP:
+            raise
+"""
+
+LOOK_AT_PLACES = r"""
+import json, os
+print(json.dumps({place: [os.stat(place).st_mtime, os.listxattr(place)] for place in ("/tmp", "/dev/shm")}))
+"""
+
+
+async def test_an_empty_scratch_place_a_command_marked_is_a_new_one_for_the_next(session):
+    marking = await session.run("python3", ["-c", MARK_ONLY], env=ENV)
+    assert marking.exit_code == 0, marking
+    looked = await session.run("python3", ["-c", LOOK_AT_PLACES], env=ENV)
+    for place, (mtime, xattrs) in json.loads(looked.stdout).items():
+        assert mtime > 978307200 and xattrs == [], (place, mtime, xattrs)
