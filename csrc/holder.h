@@ -150,7 +150,6 @@ struct exec_plan {
     char **envp;
     int fds[SBX_NFDS];
     uint64_t rlimits[SBX_NRLIMITS];
-    const struct seccomp_part *seccomp; /* the command part, which the command installs */
 };
 
 /* What an init tells the holder on its request socket (see spawn.c): its

@@ -16,11 +16,14 @@
  * Then, rather than exit (and have the kernel tear the namespaces down, and
  * the holder make new ones for the next command), the init puts them back
  * as a new one finds them and waits for another request: an empty /tmp and
- * /dev/shm (mounted afresh unless provably untouched), no SysV IPC object
- * and no POSIX message queue left, and the next pid 2. Nothing else of a
+ * /dev/shm as mounted (emptied, their mode, owner, times and extended
+ * attributes restored, unless provably untouched), no SysV IPC object and
+ * no POSIX message queue left, and the next pid 2. Nothing else of a
  * command outlives it: its processes are gone, it could not mount (no
- * capabilities, and the command part of the seccomp filter, which each
- * command installs itself), and the rest of its root is read-only. */
+ * capabilities, and the command part of the seccomp filter, which the init
+ * installs once and the command inherits), and the rest of its root is
+ * read-only. None of this takes a mount call, which the init's own filter
+ * denies from then on. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -159,10 +162,6 @@ static void __attribute__((noreturn)) run_command(const struct exec_plan *plan)
              strerror(errno));
         goto out_report;
     }
-    /* The rest of the filter: the init, which outlives the command, keeps
-     * the mount calls it resets the namespaces with. */
-    if (seccomp_install(plan->seccomp, &err) < 0)
-        goto out_report;
     exec_command(plan, &err);
 out_report:
     report_send(COMMAND_REPORT_FD, &err);
@@ -318,11 +317,22 @@ static int same_time(const struct timespec *a, const struct timespec *b)
     return a->tv_sec == b->tv_sec && a->tv_nsec == b->tv_nsec;
 }
 
+/* The names in a directory but "." and "..", a buffer at a time; 0 at the
+ * end, -1 on an error. */
+static long next_names(int fd, char *buf, size_t size)
+{
+    return syscall(SYS_getdents64, fd, buf, size);
+}
+
+static int is_dot(const char *name)
+{
+    return strcmp(name, ".") == 0 || strcmp(name, "..") == 0;
+}
+
 /* A scratch place as it was mounted: empty, with its own mode, owner,
  * times and extended attributes (an ACL is one). Nothing else of an empty
  * tmpfs can carry anything, and nothing can be made below it without
- * changing it. Even reading it can (its access time): then it is mounted
- * afresh, as when anything is off. */
+ * changing it. Even reading it can (its access time). */
 static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs)
 {
     char entries[1024] __attribute__((aligned(8)));
@@ -334,15 +344,93 @@ static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs)
         !same_time(&now.st_atim, &made->st_atim) || !same_time(&now.st_mtim, &made->st_mtim) ||
         !same_time(&now.st_ctim, &made->st_ctim) || flistxattr(fd, NULL, 0) != xattrs || lseek(fd, 0, SEEK_SET) < 0)
         return 0;
-    n = syscall(SYS_getdents64, fd, entries, sizeof entries);
+    n = next_names(fd, entries, sizeof entries);
     for (long at = 0; n > 0 && at < n;) {
         struct dirent64 *entry = (struct dirent64 *)(entries + at);
 
-        if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+        if (!is_dot(entry->d_name))
             return 0;
         at += entry->d_reclen;
     }
     return n >= 0;
+}
+
+/* Remove everything in the directory fd: passes over it until one finds
+ * nothing left, a subdirectory emptied the same way first. The init may
+ * (it holds CAP_DAC_OVERRIDE over the guest's files); a tree deeper than
+ * CLEAR_DEPTH is not cleared, and the init goes rather than be reused. */
+#define CLEAR_DEPTH 64
+
+static int clear_directory(int fd, int depth)
+{
+    char entries[4096] __attribute__((aligned(8)));
+    int removed;
+
+    if (depth > CLEAR_DEPTH) {
+        errno = ELOOP;
+        return -1;
+    }
+    do {
+        long n;
+
+        removed = 0;
+        if (lseek(fd, 0, SEEK_SET) < 0)
+            return -1;
+        while ((n = next_names(fd, entries, sizeof entries)) > 0) {
+            for (long at = 0; at < n;) {
+                struct dirent64 *entry = (struct dirent64 *)(entries + at);
+                int sub;
+
+                at += entry->d_reclen;
+                if (is_dot(entry->d_name))
+                    continue;
+                if (unlinkat(fd, entry->d_name, 0) == 0) {
+                    removed = 1;
+                    continue;
+                }
+                if (errno != EISDIR)
+                    return -1;
+                sub = openat(fd, entry->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                if (sub < 0)
+                    return -1;
+                if (clear_directory(sub, depth + 1) < 0) {
+                    int e = errno;
+                    close(sub);
+                    errno = e;
+                    return -1;
+                }
+                close(sub);
+                if (unlinkat(fd, entry->d_name, AT_REMOVEDIR) < 0)
+                    return -1;
+                removed = 1;
+            }
+        }
+        if (n < 0)
+            return -1;
+    } while (removed);
+    return 0;
+}
+
+/* A scratch place back as it was mounted: emptied, then its extended
+ * attributes removed and its mode, owner and times made a new mount's. */
+static int restore_scratch(int index, struct init_state *state, struct sbx_report *err)
+{
+    int fd = state->scratch[index];
+    const struct stat *made = &state->scratch_made[index];
+    char names[4096];
+    ssize_t len;
+
+    if (clear_directory(fd, 0) < 0)
+        return fail(err, "reset", errno, "cannot empty %s: %s", scratch_paths[index], strerror(errno));
+    len = flistxattr(fd, names, sizeof names);
+    for (ssize_t at = 0; len > 0 && at < len; at += (ssize_t)strlen(names + at) + 1)
+        if (fremovexattr(fd, names + at) < 0)
+            return fail(err, "reset", errno, "cannot clear %s's attributes: %s", scratch_paths[index], strerror(errno));
+    if (len < 0 || fchown(fd, made->st_uid, made->st_gid) < 0 || fchmod(fd, made->st_mode & 07777) < 0 ||
+        futimens(fd, NULL) < 0 || fstat(fd, &state->scratch_made[index]) < 0)
+        return fail(err, "reset", errno, "cannot restore %s: %s", scratch_paths[index], strerror(errno));
+    state->scratch_xattrs[index] = flistxattr(fd, NULL, 0);
+    return 0;
 }
 
 /* Every SysV object of this IPC namespace (there are seldom any: counting
@@ -438,17 +526,12 @@ static int open_reset_handles(struct init_state *state, struct sbx_report *err)
 }
 
 /* Put the namespaces back as a new init has them (see the top of the file). */
-static int reset_namespaces(const struct command_settings *settings, struct init_state *state, struct sbx_report *err)
+static int reset_namespaces(struct init_state *state, struct sbx_report *err)
 {
-    for (int i = 0; i < 2; i++) {
-        if (scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i]))
-            continue;
-        close(state->scratch[i]);
-        if (umount2(scratch_paths[i], MNT_DETACH) < 0)
-            return fail(err, "reset", errno, "cannot unmount %s: %s", scratch_paths[i], strerror(errno));
-        if (mount_scratch_place(i, settings, state, err) < 0)
+    for (int i = 0; i < 2; i++)
+        if (!scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i]) &&
+            restore_scratch(i, state, err) < 0)
             return -1;
-    }
     if (remove_sysv_objects(err) < 0 || remove_message_queues(state->mqueues, err) < 0)
         return -1;
     /* The next command is pid 2, as in a new pid namespace. */
@@ -514,7 +597,7 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
 {
     struct sigaction forward = {.sa_handler = forward_signal};
     struct init_state state;
-    struct exec_plan plan = {.seccomp = &settings->seccomp, .fds = {-1, -1, -1, -1}};
+    struct exec_plan plan = {.fds = {-1, -1, -1, -1}};
     struct sbx_report err;
     int setup_failed = 0;
 
@@ -528,7 +611,12 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
     else if (mount_scratch_place(0, settings, &state, &err) < 0 ||
              mount_scratch_place(1, settings, &state, &err) < 0 ||
              mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
-             open_reset_handles(&state, &err) < 0 || make_read_only("/proc/sys", &err) < 0)
+             open_reset_handles(&state, &err) < 0 || make_read_only("/proc/sys", &err) < 0 ||
+             /* Once its mounts are made: the rest of the filter, which the
+              * command inherits through its clone. Everything the init and
+              * the command still do before execve is allowed, and loading it
+              * here keeps that work off the requests' path. */
+             seccomp_install(&settings->seccomp, &err) < 0)
         setup_failed = 1;
     sigemptyset(&forward.sa_mask);
     sigaction(SIGTERM, &forward, NULL);
@@ -554,7 +642,7 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
         close_plan_fds(&plan);
         /* An init that cannot put its namespaces back goes (having reported
          * its command), and the holder makes a new one. */
-        if (reset_namespaces(settings, &state, &err) < 0)
+        if (reset_namespaces(&state, &err) < 0)
             _exit(0);
         tell_holder(request_fd, INIT_READY);
     }

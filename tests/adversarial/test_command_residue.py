@@ -114,3 +114,25 @@ async def test_an_empty_scratch_place_a_command_marked_is_a_new_one_for_the_next
     looked = await session.run("python3", ["-c", LOOK_AT_PLACES], env=ENV)
     for place, (mtime, xattrs) in json.loads(looked.stdout).items():
         assert mtime > 978307200 and xattrs == [], (place, mtime, xattrs)
+
+
+@pytest.mark.parametrize(
+    "planting",
+    [
+        # Deeper than an init clears (it then goes, and a new one serves).
+        "cd /tmp && for i in $(seq 100); do mkdir d && cd d; done && echo deep > leaf",
+        # What its owner made unreadable, and odd kinds of file.
+        (
+            "mkdir -p /tmp/locked/in && echo x > /tmp/locked/in/f && ln /tmp/locked/in/f /tmp/hard"
+            " && chmod 0 /tmp/locked/in /tmp/locked && mkfifo /dev/shm/fifo && ln -s /workspace /dev/shm/link"
+            " && chmod 0 /tmp"
+        ),
+    ],
+    ids=["deep", "locked"],
+)
+async def test_whatever_a_command_leaves_in_scratch_places_is_gone_for_the_next(session, planting):
+    planted = await session.run("sh", ["-c", planting], env=ENV)
+    assert planted.exit_code == 0, planted
+    for _ in range(2):  # whichever init serves next
+        looked = await session.run("sh", ["-c", "ls -A /tmp /dev/shm; stat -c %a /tmp /dev/shm"], env=ENV)
+        assert looked.stdout.split() == ["/dev/shm:", "/tmp:", "1777", "1777"], looked

@@ -65,10 +65,8 @@ async def test_host_view_of_a_guest_process(session, workspace):
 
 async def test_every_native_sandbox_process_is_filtered(driver_name, workspace):
     # The native holder installs the session's part of the filter before it
-    # serves, and every command adds the command part just before its
-    # execve (its init, which outlives it to put the namespaces back, keeps
-    # the mount calls that takes): only the launcher, outside the session's
-    # pid namespace, has none.
+    # serves, each command's init adds the command part after its mounts:
+    # only the launcher, outside the session's pid namespace, has none.
     if driver_name != "native":
         pytest.skip("bwrap's own processes are bwrap's")
     async with sandboxns.open_sandbox(workspace) as session, trio.open_nursery() as nursery:
@@ -78,8 +76,8 @@ async def test_every_native_sandbox_process_is_filtered(driver_name, workspace):
         filters = {pid: int(_status(pid)["Seccomp_filters"]) for pid in descendants(os.getpid())}
         nursery.cancel_scope.cancel()
     assert filters[command] == 2
-    # Launcher, holder, the command's init and the next one, prepared; the command.
-    assert sorted(filters.values()) == [0, 1, 1, 1, 2], filters
+    # Launcher, holder, the command's init and the next one, prepared.
+    assert sorted(filters.values()) == [0, 1, 2, 2, 2], filters
 
 
 def _cmdline(pid: int) -> bytes:
