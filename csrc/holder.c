@@ -395,6 +395,10 @@ int main(int argc, char **argv)
     /* The host has its own copies; no command may inherit these. */
     for (int i = 0; i < npassed; i++)
         close(passed[i]);
+    /* With the host's network shared, a command reaches processes outside
+     * the session (abstract sockets), which could keep a hold on its
+     * namespaces: no init serves a second command (see serve.c). */
+    cfg.commands.reuse_inits = !cfg.share_network;
     return holder_serve(CONTROL_FD, &cfg.commands, &stack);
 report:
     report_send(CONTROL_FD, &err);

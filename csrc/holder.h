@@ -70,6 +70,7 @@ struct seccomp_part {
 struct command_settings {
     unsigned long long tmp_bytes; /* size of each command's /tmp */
     struct seccomp_part seccomp;  /* the command part, which each init installs */
+    int reuse_inits;              /* whether an init may serve another command (see serve.c) */
 };
 
 struct holder_config {

@@ -5,12 +5,21 @@
  * An init is always ready ahead (see spawn.c). A request is forwarded to an
  * idle one as received, fds and all; the holder keeps the reply socket to
  * forward signal requests, to notice the host giving up on the command (the
- * socket closes), and to report for an init that was killed and so cannot.
- * An init says on its request socket when its command's tree is gone and
- * reported (INIT_DONE: the holder lets go of the reply socket), and when it
- * has put its namespaces back for another command (INIT_READY: it is idle
- * again). Up to MAX_IDLE_INITS wait; one more than that, or one made before
- * the workspace was restacked, is killed instead. */
+ * socket closes), and to report for an init that died before it did. An init
+ * says on its request socket when its command's tree is gone and reported
+ * (INIT_DONE: the holder lets go of the reply socket), and when it has put
+ * its namespaces back for another command (INIT_READY).
+ *
+ * Which init may serve a request. One that has run a command is reused only
+ * when no other command of the session runs: a process of a command that
+ * ran beside its last one could have been handed a hold on its namespaces
+ * (a /proc or /tmp directory fd passed over a socket, a signal owner), and
+ * would see, signal or change the next command in them; once every command
+ * has ended, every such process is gone. Otherwise a fresh init serves, one
+ * that has never run anything. Never with the host's network shared
+ * (command_settings.reuse_inits): there, processes outside the session can
+ * be handed such holds. Up to MAX_USED_INITS used ones wait; one more, or
+ * one made before the workspace was restacked, is killed instead. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
@@ -25,8 +34,8 @@
 
 enum watch_kind { WATCH_CONTROL, WATCH_REPLY, WATCH_INIT, WATCH_REQUEST };
 
-/* As many as the host admits commands at once, by default. */
-#define MAX_IDLE_INITS 8
+/* Sequential commands need one; more wait for a quiet moment in vain. */
+#define MAX_USED_INITS 2
 
 struct init;
 
@@ -35,21 +44,29 @@ struct watch {
     struct init *init;
 };
 
+/* Idle inits of one kind, the last in first out. */
+struct pool {
+    struct init *top;
+    int count;
+};
+
 struct init {
     pid_t pid;
     int pidfd;
     int request_fd; /* holder's end of the init's request socket */
     int reply_fd;   /* the command's reply socket; -1 while idle or once done */
+    int busy;       /* from its request to its INIT_READY */
     unsigned generation; /* of the workspace's stack it was made over */
     struct watch reply_watch, pid_watch, request_watch;
     struct init *next;      /* in inits */
-    struct init *next_idle; /* in idle, while it is there */
-    int is_idle;
+    struct init *next_idle; /* in its pool, while it is in one */
+    struct pool *pool;
 };
 
 static struct init *inits; /* every init not yet reaped */
-static struct init *idle;  /* the ones waiting for a request, last ready first */
-static int nidle;
+static struct pool fresh;  /* never ran a command */
+static struct pool used;   /* ran one, and put its namespaces back */
+static int nbusy;
 static unsigned generation; /* bumped when /workspace is restacked */
 static int epoll_fd = -1;
 static const struct command_settings *settings;
@@ -68,22 +85,22 @@ static void close_fds(int *fds, int n)
             close(fds[i]);
 }
 
-static void push_idle(struct init *init)
+static void push_idle(struct pool *pool, struct init *init)
 {
-    init->next_idle = idle;
-    init->is_idle = 1;
-    idle = init;
-    nidle++;
+    init->next_idle = pool->top;
+    init->pool = pool;
+    pool->top = init;
+    pool->count++;
 }
 
-static struct init *pop_idle(void)
+static struct init *pop_idle(struct pool *pool)
 {
-    struct init *init = idle;
+    struct init *init = pool->top;
 
     if (init) {
-        idle = init->next_idle;
-        init->is_idle = 0;
-        nidle--;
+        pool->top = init->next_idle;
+        init->pool = NULL;
+        pool->count--;
     }
     return init;
 }
@@ -92,13 +109,19 @@ static void remove_idle(struct init *init)
 {
     struct init **link;
 
-    if (!init->is_idle)
+    if (!init->pool)
         return;
-    for (link = &idle; *link != init; link = &(*link)->next_idle)
+    for (link = &init->pool->top; *link != init; link = &(*link)->next_idle)
         ;
     *link = init->next_idle;
-    init->is_idle = 0;
-    nidle--;
+    init->pool->count--;
+    init->pool = NULL;
+}
+
+static void set_busy(struct init *init, int busy)
+{
+    nbusy += busy - init->busy;
+    init->busy = busy;
 }
 
 /* Idle inits see the workspace as it was when they were made: after a
@@ -109,7 +132,7 @@ static void retire_inits(void)
     struct init *init;
 
     generation++;
-    while ((init = pop_idle()))
+    while ((init = pop_idle(&fresh)) || (init = pop_idle(&used)))
         sys_pidfd_send_signal(init->pidfd, SIGKILL);
 }
 
@@ -141,7 +164,7 @@ static int prepare_init(struct sbx_report *err)
     }
     init->next = inits;
     inits = init;
-    push_idle(init);
+    push_idle(&fresh, init);
     return 0;
 }
 
@@ -190,27 +213,41 @@ refuse:
     close(reply_fd);
 }
 
+/* The init to serve a request (see the top), or NULL with err set. */
+static struct init *take_init(struct sbx_report *err)
+{
+    struct init *init = nbusy == 0 ? pop_idle(&used) : NULL;
+
+    if (!init && !fresh.top && prepare_init(err) < 0)
+        return NULL;
+    return init ? init : pop_idle(&fresh);
+}
+
 static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
 {
     struct sbx_report err;
     struct init *init;
 
-    if (!idle && prepare_init(&err) < 0)
-        goto refuse;
-    init = pop_idle();
-    if (send_with_fds(init->request_fd, buf, len, fds, SBX_NFDS) < 0) {
+    /* An idle init that died is not reaped yet: another takes the request. */
+    for (int attempt = 0;; attempt++) {
+        if (!(init = take_init(&err)))
+            goto refuse;
+        if (send_with_fds(init->request_fd, buf, len, fds, SBX_NFDS) == 0)
+            break;
         fail(&err, "dispatch", errno, "cannot hand the command to its init");
         sys_pidfd_send_signal(init->pidfd, SIGKILL);
-        goto refuse;
+        if (attempt == 1)
+            goto refuse;
     }
+    set_busy(init, 1);
     /* The init has its own copies now; the holder keeps only the reply. */
     close_fds(fds + SBX_FD_STDIN, SBX_NFDS - SBX_FD_STDIN);
     init->reply_fd = fds[SBX_FD_REPLY];
     if (watch_fd(init->reply_fd, &init->reply_watch) < 0)
         sys_pidfd_send_signal(init->pidfd, SIGKILL); /* unmanageable: its reap reports */
-    /* Get the next one ready while this command runs, unless one waits. A
-     * failure here is retried, and reported, by the next request. */
-    if (!idle)
+    /* Get the next one ready while this command runs. A failure here is
+     * retried, and reported, by the next request. */
+    if (!fresh.top)
         prepare_init(&err);
     return;
 refuse:
@@ -283,9 +320,10 @@ static void serve_request(struct init *init)
     for (ssize_t i = 0; i < n; i++) {
         if (said[i] == INIT_DONE) {
             stop_watching_reply(init);
-        } else if (said[i] == INIT_READY && !init->is_idle) {
-            if (init->generation == generation && nidle < MAX_IDLE_INITS)
-                push_idle(init);
+        } else if (said[i] == INIT_READY && init->busy) {
+            set_busy(init, 0);
+            if (settings->reuse_inits && init->generation == generation && used.count < MAX_USED_INITS)
+                push_idle(&used, init);
             else
                 sys_pidfd_send_signal(init->pidfd, SIGKILL); /* reaped as any other */
         }
@@ -303,11 +341,21 @@ static void reap(struct init *init)
     if (waitpid(init->pid, &status, WNOHANG) <= 0)
         return;
     serve_request(init); /* an INIT_DONE it sent before it died */
-    /* An init that exits 0 has reported the command's status itself. One that
-     * was killed (timeout, cancellation) could not: its pid namespace, and so
-     * the whole tree, is gone now, so report for it. */
-    if (init->reply_fd >= 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
-        report_exit_status(init->reply_fd, status);
+    /* A command whose init died before it said INIT_DONE: if it was killed
+     * (timeout, cancellation, its limits), its pid namespace, and so the
+     * whole tree, is gone now, so report that; if it ended on its own, it
+     * could not run the command (having reported why, when it exits 1). */
+    if (init->reply_fd >= 0) {
+        struct sbx_report err;
+
+        if (!WIFEXITED(status)) {
+            report_exit_status(init->reply_fd, status);
+        } else if (WEXITSTATUS(status) == 0) {
+            fail(&err, "init", EPIPE, "the command's init ended before it could run the command");
+            report_send(init->reply_fd, &err);
+        }
+    }
+    set_busy(init, 0);
     for (link = &inits; *link != init; link = &(*link)->next)
         ;
     *link = init->next;

@@ -34,6 +34,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/mount.h>
 #include <sys/msg.h>
 #include <sys/prctl.h>
@@ -291,6 +294,8 @@ struct init_state {
     int scratch[2];   /* O_DIRECTORY fds of /tmp and /dev/shm as last mounted */
     struct stat scratch_made[2];
     ssize_t scratch_xattrs[2]; /* the length of their extended attributes' names then */
+    long scratch_flags[2];     /* and their inode flags (chattr) */
+    struct rlimit limits[RLIM_NLIMITS]; /* the init's own, which a command may lower (prlimit) */
     int last_pid;     /* /proc/sys/kernel/ns_last_pid, opened for writing before /proc/sys was made read-only */
     int mqueues;      /* a directory fd of this IPC namespace's mqueue file system, never attached anywhere */
 };
@@ -305,9 +310,11 @@ static int mount_scratch_place(int index, const struct command_settings *setting
     if (mount_scratch(path, MS_NOSUID | MS_NODEV | (index ? MS_NOEXEC : 0), index ? SBX_SHM_BYTES : settings->tmp_bytes,
                       err) < 0)
         return -1;
-    state->scratch[index] = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    /* O_NOATIME: looking at it must not change it (see scratch_untouched). */
+    state->scratch[index] = open(path, O_RDONLY | O_DIRECTORY | O_NOATIME | O_CLOEXEC);
     if (state->scratch[index] < 0 || fstat(state->scratch[index], &state->scratch_made[index]) < 0 ||
-        (state->scratch_xattrs[index] = flistxattr(state->scratch[index], NULL, 0)) < 0)
+        (state->scratch_xattrs[index] = flistxattr(state->scratch[index], NULL, 0)) < 0 ||
+        ioctl(state->scratch[index], FS_IOC_GETFLAGS, &state->scratch_flags[index]) < 0)
         return fail(err, "mount", errno, "cannot open %s: %s", path, strerror(errno));
     return 0;
 }
@@ -330,16 +337,17 @@ static int is_dot(const char *name)
 }
 
 /* A scratch place as it was mounted: empty, with its own mode, owner,
- * times and extended attributes (an ACL is one). Nothing else of an empty
+ * times, inode flags and extended attributes (an ACL is one). Nothing else of an empty
  * tmpfs can carry anything, and nothing can be made below it without
  * changing it. Even reading it can (its access time). */
-static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs)
+static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs, long flags)
 {
     char entries[1024] __attribute__((aligned(8)));
     struct stat now;
+    long now_flags;
     long n;
 
-    if (fstat(fd, &now) < 0 || now.st_mode != made->st_mode || now.st_uid != made->st_uid ||
+    if (ioctl(fd, FS_IOC_GETFLAGS, &now_flags) < 0 || now_flags != flags || fstat(fd, &now) < 0 || now.st_mode != made->st_mode || now.st_uid != made->st_uid ||
         now.st_gid != made->st_gid || now.st_nlink != made->st_nlink || now.st_size != made->st_size ||
         !same_time(&now.st_atim, &made->st_atim) || !same_time(&now.st_mtim, &made->st_mtim) ||
         !same_time(&now.st_ctim, &made->st_ctim) || flistxattr(fd, NULL, 0) != xattrs || lseek(fd, 0, SEEK_SET) < 0)
@@ -426,7 +434,8 @@ static int restore_scratch(int index, struct init_state *state, struct sbx_repor
     for (ssize_t at = 0; len > 0 && at < len; at += (ssize_t)strlen(names + at) + 1)
         if (fremovexattr(fd, names + at) < 0)
             return fail(err, "reset", errno, "cannot clear %s's attributes: %s", scratch_paths[index], strerror(errno));
-    if (len < 0 || fchown(fd, made->st_uid, made->st_gid) < 0 || fchmod(fd, made->st_mode & 07777) < 0 ||
+    if (len < 0 || ioctl(fd, FS_IOC_SETFLAGS, &state->scratch_flags[index]) < 0 ||
+        fchown(fd, made->st_uid, made->st_gid) < 0 || fchmod(fd, made->st_mode & 07777) < 0 ||
         futimens(fd, NULL) < 0 || fstat(fd, &state->scratch_made[index]) < 0)
         return fail(err, "reset", errno, "cannot restore %s: %s", scratch_paths[index], strerror(errno));
     state->scratch_xattrs[index] = flistxattr(fd, NULL, 0);
@@ -506,6 +515,9 @@ static int open_reset_handles(struct init_state *state, struct sbx_report *err)
 {
     int fs, mnt;
 
+    for (int resource = 0; resource < RLIM_NLIMITS; resource++)
+        if (prlimit(0, resource, NULL, &state->limits[resource]) < 0)
+            return fail(err, "rlimits", errno, "cannot read the init's limits: %s", strerror(errno));
     state->last_pid = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
     if (state->last_pid < 0)
         return fail(err, "mount", errno, "cannot open ns_last_pid: %s", strerror(errno));
@@ -529,11 +541,21 @@ static int open_reset_handles(struct init_state *state, struct sbx_report *err)
 static int reset_namespaces(struct init_state *state, struct sbx_report *err)
 {
     for (int i = 0; i < 2; i++)
-        if (!scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i]) &&
+        if (!scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i],
+                               state->scratch_flags[i]) &&
             restore_scratch(i, state, err) < 0)
             return -1;
     if (remove_sysv_objects(err) < 0 || remove_message_queues(state->mqueues, err) < 0)
         return -1;
+    /* A command may lower its init's limits (it has the init's ids), and the
+     * init cannot raise a hard one again: such an init goes. */
+    for (int resource = 0; resource < RLIM_NLIMITS; resource++) {
+        struct rlimit now;
+
+        if (prlimit(0, resource, NULL, &now) < 0 || now.rlim_cur != state->limits[resource].rlim_cur ||
+            now.rlim_max != state->limits[resource].rlim_max)
+            return fail(err, "reset", EPERM, "the command changed its init's limits");
+    }
     /* The next command is pid 2, as in a new pid namespace. */
     if (pwrite(state->last_pid, "1", 1, 0) != 1)
         return fail(err, "reset", errno, "cannot reset the next pid: %s", strerror(errno));
@@ -549,7 +571,7 @@ static void close_plan_fds(struct exec_plan *plan)
 
 static void tell_holder(int request_fd, char what)
 {
-    while (write(request_fd, &what, 1) < 0 && errno == EINTR)
+    while (send(request_fd, &what, 1, MSG_NOSIGNAL) < 0 && errno == EINTR)
         ;
 }
 
@@ -635,11 +657,11 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
         }
         if (setup_failed || (status = run_one(&plan, &err)) < 0)
             goto fail;
-        /* The holder forgets the command before the host hears of it: a
-         * report for it can only come from here. */
-        tell_holder(request_fd, INIT_DONE);
+        /* Reported, the holder may let go of the command: should this init
+         * die before, the holder reports for it (as when it is killed). */
         report_exit_status(plan.fds[SBX_FD_REPLY], status);
         close_plan_fds(&plan);
+        tell_holder(request_fd, INIT_DONE);
         /* An init that cannot put its namespaces back goes (having reported
          * its command), and the holder makes a new one. */
         if (reset_namespaces(&state, &err) < 0)

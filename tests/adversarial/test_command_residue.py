@@ -6,8 +6,10 @@ its scratch places, mounts, open fds, environment)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import trio
 
 pytestmark = pytest.mark.smoke
 
@@ -136,3 +138,106 @@ async def test_whatever_a_command_leaves_in_scratch_places_is_gone_for_the_next(
     for _ in range(2):  # whichever init serves next
         looked = await session.run("sh", ["-c", "ls -A /tmp /dev/shm; stat -c %a /tmp /dev/shm"], env=ENV)
         assert looked.stdout.split() == ["/dev/shm:", "/tmp:", "1777", "1777"], looked
+
+
+# Command B: takes the fds command A sends, then, while command C runs,
+# looks through them for C (its processes' environments, its /tmp files).
+HOLDER_OF_FDS = r"""
+import array, json, os, socket, sys
+name = sys.argv[1]
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(f"/workspace/{name}")
+server.listen(1)
+open("/workspace/b-listening", "w").close()
+connection, _ = server.accept()
+fds = array.array("i")
+_, ancillary, _, _ = connection.recvmsg(1, socket.CMSG_SPACE(2 * fds.itemsize))
+fds.frombytes(ancillary[0][2])
+proc_fd, tmp_fd = fds
+connection.sendall(b"k")
+open("/workspace/c-ready").close()  # C runs now
+environments = []
+for pid in os.listdir(proc_fd):
+    if pid.isdigit():
+        try:
+            fd = os.open(f"{pid}/environ", os.O_RDONLY, dir_fd=proc_fd)
+            environments.append(os.read(fd, 65536).decode(errors="replace"))
+            os.close(fd)
+        except OSError:
+            pass
+print(json.dumps({"environments": environments, "tmp": os.listdir(tmp_fd)}))
+open("/workspace/c-release", "w").close()
+"""
+
+# Command A: hands its /proc and /tmp to B, and ends.
+HANDER_OF_FDS = r"""
+import array, os, socket, sys
+open("/workspace/b-listening").close()
+client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+client.connect(f"/workspace/{sys.argv[1]}")
+fds = [os.open("/proc", os.O_RDONLY | os.O_DIRECTORY), os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)]
+client.sendmsg([b"f"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+client.recv(1)
+"""
+
+# Command C: runs with a secret, makes a file, and waits for B to have looked.
+LATER_COMMAND = (
+    "echo mine > /tmp/c-file && exec 3>/workspace/c-ready && exec 4</workspace/c-release && cat <&4 >/dev/null"
+)
+
+
+async def test_a_command_running_beside_another_never_reaches_the_commands_after_it(session, workspace):
+    for fifo in ("b-listening", "c-ready", "c-release"):
+        os.mkfifo(workspace / fifo)
+    name = "fd-socket"  # in the workspace, which every command of the session shares
+    found = {}
+
+    async def holder_of_fds() -> None:
+        result = await session.run("python3", ["-c", HOLDER_OF_FDS, name], env=ENV)
+        assert result.exit_code == 0, result
+        found.update(json.loads(result.stdout))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(holder_of_fds)
+        handed = await session.run("python3", ["-c", HANDER_OF_FDS, name], env=ENV)
+        assert handed.exit_code == 0, handed
+        later = await session.run("sh", ["-c", LATER_COMMAND], env={**ENV, "SECRET": "s3cret-of-c"})
+        assert later.exit_code == 0, later
+    assert not any("s3cret-of-c" in environment for environment in found["environments"]), found
+    assert "c-file" not in found["tmp"], found
+
+
+async def test_a_command_that_lowers_its_inits_limits_leaves_the_next_its_own(session):
+    lowered = await session.run(
+        "python3",
+        [
+            "-c",
+            "import resource as r; [r.prlimit(1, k, (8, 8)) for k in (r.RLIMIT_NOFILE, r.RLIMIT_NPROC, r.RLIMIT_FSIZE)]",
+        ],
+        env=ENV,
+    )
+    assert lowered.exit_code == 0, lowered
+    for _ in range(3):
+        looked = await session.run("sh", ["-c", "ulimit -n; ulimit -f; echo ok"], env=ENV)
+        assert looked.exit_code == 0 and looked.stdout.split()[-1] == "ok", looked
+        assert looked.stdout.split()[:2] != ["8", "4"], looked
+
+
+async def test_inode_flags_a_command_sets_on_scratch_places_are_gone_for_the_next(session):
+    # FS_IOC_SETFLAGS / GETFLAGS with noatime and nodump, which an owner may set on tmpfs.
+    set_flags = (
+        "import fcntl, os, struct\n"
+        "for place in ('/tmp', '/dev/shm'):\n"
+        "    fd = os.open(place, os.O_RDONLY)\n"
+        "    fcntl.ioctl(fd, 0x40086602, struct.pack('l', 0x80 | 0x40))\n"
+    )
+    get_flags = (
+        "import fcntl, os, struct\n"
+        "print([struct.unpack('l', fcntl.ioctl(os.open(p, os.O_RDONLY), 0x80086601, bytes(8)))[0]"
+        " for p in ('/tmp', '/dev/shm')])\n"
+    )
+    before = await session.run("python3", ["-c", get_flags], env=ENV)
+    marked = await session.run("python3", ["-c", set_flags], env=ENV)
+    assert marked.exit_code == 0, marked
+    after = await session.run("python3", ["-c", get_flags], env=ENV)
+    assert after.stdout == before.stdout, (before, after)
