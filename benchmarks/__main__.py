@@ -5,7 +5,8 @@ Runs, with a progress bar on stderr:
   spawn        latency of /usr/bin/true: bare, native, bwrap driver, bare
                bwrap, and the peers sandlock and srt where installed
   throughput   commands/s at 1, 2, 4 and 8 concurrent callers: bare and
-               native alternating, then the bwrap driver
+               native (one session; and one session per caller)
+               alternating, then the bwrap driver
   create       backend.create() for 10 / 1,000 / 10,000-file templates (the
                default overlay layout; create_latency.py also measures copies)
   cpu          CPU per sequential /usr/bin/true: this process's, and the
@@ -90,10 +91,25 @@ async def throughput(seconds: float, progress: Progress) -> dict[str, dict[str, 
             except sandboxns.SandboxError:
                 continue  # bwrap not installed
             runners[driver] = through(session)
+        # The farm's case: each caller an agent with a session of its own.
+        sessions = []
+        for _ in range(max(CONCURRENCY)):
+            workspace = stack.enter_context(tempfile.TemporaryDirectory(prefix="sandboxns-bench-"))
+            sessions.append(await stack.enter_async_context(sandboxns.open_sandbox(workspace)))
+
+        async def own_sessions() -> None:
+            session = sessions.pop()  # never empty: one per caller
+            try:
+                await session.run(spawn_latency.TRUE)
+            finally:
+                sessions.append(session)
+
+        runners["native_sessions"] = own_sessions
         results = {name: {} for name in runners}
-        # bare and native alternate; the bwrap driver is measured on its own
-        # after them, for the reason spawn_latency.py gives.
-        groups = [{name: runners[name] for name in ("bare", "native")}]
+        # bare and native alternate (one session, and one per caller); the
+        # bwrap driver is measured on its own after them, for the reason
+        # spawn_latency.py gives.
+        groups = [{name: runners[name] for name in ("bare", "native", "native_sessions")}]
         if "bwrap" in runners:
             groups.append({"bwrap": runners["bwrap"]})
         steps = len(CONCURRENCY) * len(groups)
