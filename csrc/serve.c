@@ -6,9 +6,11 @@
  * idle one as received, fds and all; the holder keeps the reply socket to
  * forward signal requests, to notice the host giving up on the command (the
  * socket closes), and to report for an init that died before it did. An init
- * says on its request socket when its command's tree is gone and reported
- * (INIT_DONE: the holder lets go of the reply socket), and when it has put
- * its namespaces back for another command (INIT_READY).
+ * says on its request socket when its command's tree is gone, just before
+ * it reports (INIT_DONE: from then on the host closing its socket is no
+ * reason to kill it), and when it has put its namespaces back for another
+ * command (INIT_READY: the holder lets go of the socket). An init the holder
+ * kills never serves again.
  *
  * Which init may serve a request. One that has run a command is reused only
  * when no other command of the session runs: a process of a command that
@@ -56,6 +58,8 @@ struct init {
     int request_fd; /* holder's end of the init's request socket */
     int reply_fd;   /* the command's reply socket; -1 while idle or once done */
     int busy;       /* from its request to its INIT_READY */
+    int done;       /* its command said INIT_DONE */
+    int doomed;     /* sent SIGKILL: it only waits to be reaped */
     unsigned generation; /* of the workspace's stack it was made over */
     struct watch reply_watch, pid_watch, request_watch;
     struct init *next;      /* in inits */
@@ -118,6 +122,13 @@ static void remove_idle(struct init *init)
     init->pool = NULL;
 }
 
+static void kill_init(struct init *init)
+{
+    init->doomed = 1;
+    remove_idle(init);
+    sys_pidfd_send_signal(init->pidfd, SIGKILL); /* reaped as any other */
+}
+
 static void set_busy(struct init *init, int busy)
 {
     nbusy += busy - init->busy;
@@ -132,8 +143,8 @@ static void retire_inits(void)
     struct init *init;
 
     generation++;
-    while ((init = pop_idle(&fresh)) || (init = pop_idle(&used)))
-        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+    while ((init = fresh.top ? fresh.top : used.top))
+        kill_init(init);
 }
 
 static int prepare_init(struct sbx_report *err)
@@ -235,16 +246,17 @@ static void dispatch(const char *buf, size_t len, int fds[SBX_NFDS])
         if (send_with_fds(init->request_fd, buf, len, fds, SBX_NFDS) == 0)
             break;
         fail(&err, "dispatch", errno, "cannot hand the command to its init");
-        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+        kill_init(init);
         if (attempt == 1)
             goto refuse;
     }
     set_busy(init, 1);
+    init->done = 0;
     /* The init has its own copies now; the holder keeps only the reply. */
     close_fds(fds + SBX_FD_STDIN, SBX_NFDS - SBX_FD_STDIN);
     init->reply_fd = fds[SBX_FD_REPLY];
     if (watch_fd(init->reply_fd, &init->reply_watch) < 0)
-        sys_pidfd_send_signal(init->pidfd, SIGKILL); /* unmanageable: its reap reports */
+        kill_init(init); /* unmanageable: its reap reports */
     /* Get the next one ready while this command runs. A failure here is
      * retried, and reported, by the next request. */
     if (!fresh.top)
@@ -291,11 +303,18 @@ static void serve_reply(struct init *init)
      * earlier in it: nothing to forward any more. */
     if (init->reply_fd < 0)
         return;
-    while ((n = recv(init->reply_fd, &req, sizeof req, MSG_DONTWAIT)) == (ssize_t)sizeof req)
-        sys_pidfd_send_signal(init->pidfd, req.signal);
+    while ((n = recv(init->reply_fd, &req, sizeof req, MSG_DONTWAIT)) == (ssize_t)sizeof req) {
+        if (init->done)
+            continue; /* its tree is gone already */
+        if (req.signal == SIGKILL)
+            kill_init(init);
+        else
+            sys_pidfd_send_signal(init->pidfd, req.signal);
+    }
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
         /* The host closed its end: nobody wants this command any more. */
-        sys_pidfd_send_signal(init->pidfd, SIGKILL);
+        if (!init->done)
+            kill_init(init);
         epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
         close(init->reply_fd);
         init->reply_fd = -1;
@@ -319,13 +338,16 @@ static void serve_request(struct init *init)
 
     for (ssize_t i = 0; i < n; i++) {
         if (said[i] == INIT_DONE) {
-            stop_watching_reply(init);
+            init->done = 1;
         } else if (said[i] == INIT_READY && init->busy) {
+            stop_watching_reply(init);
             set_busy(init, 0);
+            if (init->doomed)
+                continue;
             if (settings->reuse_inits && init->generation == generation && used.count < MAX_USED_INITS)
                 push_idle(&used, init);
             else
-                sys_pidfd_send_signal(init->pidfd, SIGKILL); /* reaped as any other */
+                kill_init(init);
         }
     }
     /* Its end closed (it is exiting): the reap follows. */
@@ -341,16 +363,18 @@ static void reap(struct init *init)
     if (waitpid(init->pid, &status, WNOHANG) <= 0)
         return;
     serve_request(init); /* an INIT_DONE it sent before it died */
-    /* A command whose init died before it said INIT_DONE: if it was killed
-     * (timeout, cancellation, its limits), its pid namespace, and so the
-     * whole tree, is gone now, so report that; if it ended on its own, it
-     * could not run the command (having reported why, when it exits 1). */
+    /* A command whose init died before it was ready again: if it was
+     * killed (timeout, cancellation, its limits), its pid namespace, and so
+     * the whole tree, is gone now, so report that (the host reads no second
+     * report, should it have sent one); if it ended on its own before its
+     * command was done, it could not run it (having reported why, when it
+     * exits 1). */
     if (init->reply_fd >= 0) {
         struct sbx_report err;
 
         if (!WIFEXITED(status)) {
             report_exit_status(init->reply_fd, status);
-        } else if (WEXITSTATUS(status) == 0) {
+        } else if (!init->done && WEXITSTATUS(status) == 0) {
             fail(&err, "init", EPIPE, "the command's init ended before it could run the command");
             report_send(init->reply_fd, &err);
         }

@@ -657,11 +657,11 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
         }
         if (setup_failed || (status = run_one(&plan, &err)) < 0)
             goto fail;
-        /* Reported, the holder may let go of the command: should this init
-         * die before, the holder reports for it (as when it is killed). */
+        /* The holder stops taking the host's closing the command's socket
+         * for giving up on it, before the host hears it is over. */
+        tell_holder(request_fd, INIT_DONE);
         report_exit_status(plan.fds[SBX_FD_REPLY], status);
         close_plan_fds(&plan);
-        tell_holder(request_fd, INIT_DONE);
         /* An init that cannot put its namespaces back goes (having reported
          * its command), and the holder makes a new one. */
         if (reset_namespaces(&state, &err) < 0)
