@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -40,6 +41,31 @@ async def test_concurrent_commands_each_get_their_own_status_and_output(session)
     assert sorted(results) == list(range(320))
     for number, result in results.items():
         assert (result.exit_code, result.stdout) == (number % 7, f"{number}\n"), (number, result)
+
+
+async def test_callers_spread_over_sessions_get_every_command_run(driver_name, tmp_path):
+    # Eight callers over three sessions: each session's commands come one
+    # at a time (whose inits the native driver reuses) and at once (whose
+    # inits it does not), and commands end while others start.
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = []
+        for index in range(3):
+            (tmp_path / f"w{index}").mkdir()
+            sessions.append(
+                await stack.enter_async_context(sandboxns.open_sandbox(tmp_path / f"w{index}", driver=driver_name))
+            )
+        failed = []
+
+        async def caller(offset: int) -> None:
+            for number in range(60 if driver_name == "native" else 6):
+                result = await sessions[(offset + number) % 3].run("/usr/bin/true")
+                if result.exit_code != 0:
+                    failed.append(result)
+
+        async with trio.open_nursery() as nursery:
+            for offset in range(8):
+                nursery.start_soon(caller, offset)
+    assert failed == []
 
 
 async def test_exit_127_from_the_command_is_not_a_setup_failure(session):
