@@ -294,6 +294,15 @@ static int serve_control(int control_fd)
     return 0;
 }
 
+static void stop_watching_reply(struct init *init)
+{
+    if (init->reply_fd < 0)
+        return;
+    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
+    close(init->reply_fd);
+    init->reply_fd = -1;
+}
+
 static void serve_reply(struct init *init)
 {
     struct sbx_signal_request req;
@@ -315,36 +324,26 @@ static void serve_reply(struct init *init)
         /* The host closed its end: nobody wants this command any more. */
         if (!init->done)
             kill_init(init);
-        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
-        close(init->reply_fd);
-        init->reply_fd = -1;
+        stop_watching_reply(init);
     }
-}
-
-static void stop_watching_reply(struct init *init)
-{
-    if (init->reply_fd < 0)
-        return;
-    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, init->reply_fd, NULL);
-    close(init->reply_fd);
-    init->reply_fd = -1;
 }
 
 /* What the init says of its command, and of itself (see the top). */
 static void serve_request(struct init *init)
 {
-    char said[8];
-    ssize_t n = recv(init->request_fd, said, sizeof said, MSG_DONTWAIT);
+    char said;
+    ssize_t n;
 
-    for (ssize_t i = 0; i < n; i++) {
-        if (said[i] == INIT_DONE) {
+    /* One byte a message (SOCK_SEQPACKET): both, if both are there. */
+    while ((n = recv(init->request_fd, &said, 1, MSG_DONTWAIT)) == 1) {
+        if (said == INIT_DONE) {
             init->done = 1;
-        } else if (said[i] == INIT_READY && init->busy) {
+        } else if (said == INIT_READY && init->busy) {
             stop_watching_reply(init);
             set_busy(init, 0);
             if (init->doomed)
                 continue;
-            if (settings->reuse_inits && init->generation == generation && used.count < MAX_USED_INITS)
+            if (init->generation == generation && used.count < MAX_USED_INITS)
                 push_idle(&used, init);
             else
                 kill_init(init);

@@ -289,33 +289,39 @@ static int receive_plan(int request_fd, struct exec_plan *plan, struct sbx_repor
     return 0;
 }
 
+/* A command's /tmp or /dev/shm, and what it was like when mounted. */
+struct scratch_place {
+    const char *path;
+    int fd;          /* O_DIRECTORY, O_NOATIME: looking at it must not change it */
+    struct stat made;
+    ssize_t xattrs;  /* the length of its extended attributes' names */
+    long flags;      /* its inode flags (chattr) */
+};
+
 /* What an init keeps to put its namespaces back after each command. */
 struct init_state {
-    int scratch[2];   /* O_DIRECTORY fds of /tmp and /dev/shm as last mounted */
-    struct stat scratch_made[2];
-    ssize_t scratch_xattrs[2]; /* the length of their extended attributes' names then */
-    long scratch_flags[2];     /* and their inode flags (chattr) */
+    struct scratch_place scratch[2];
     struct rlimit limits[RLIM_NLIMITS]; /* the init's own, which a command may lower (prlimit) */
     int last_pid;     /* /proc/sys/kernel/ns_last_pid, opened for writing before /proc/sys was made read-only */
     int mqueues;      /* a directory fd of this IPC namespace's mqueue file system, never attached anywhere */
 };
 
-static const char *const scratch_paths[2] = {"/tmp", "/dev/shm"};
+static int remember_scratch(struct scratch_place *place)
+{
+    if (fstat(place->fd, &place->made) < 0 || (place->xattrs = flistxattr(place->fd, NULL, 0)) < 0 ||
+        ioctl(place->fd, FS_IOC_GETFLAGS, &place->flags) < 0)
+        return -1;
+    return 0;
+}
 
-static int mount_scratch_place(int index, const struct command_settings *settings, struct init_state *state,
+static int mount_scratch_place(struct scratch_place *place, unsigned long flags, unsigned long long bytes,
                                struct sbx_report *err)
 {
-    const char *path = scratch_paths[index];
-
-    if (mount_scratch(path, MS_NOSUID | MS_NODEV | (index ? MS_NOEXEC : 0), index ? SBX_SHM_BYTES : settings->tmp_bytes,
-                      err) < 0)
+    if (mount_scratch(place->path, flags, bytes, err) < 0)
         return -1;
-    /* O_NOATIME: looking at it must not change it (see scratch_untouched). */
-    state->scratch[index] = open(path, O_RDONLY | O_DIRECTORY | O_NOATIME | O_CLOEXEC);
-    if (state->scratch[index] < 0 || fstat(state->scratch[index], &state->scratch_made[index]) < 0 ||
-        (state->scratch_xattrs[index] = flistxattr(state->scratch[index], NULL, 0)) < 0 ||
-        ioctl(state->scratch[index], FS_IOC_GETFLAGS, &state->scratch_flags[index]) < 0)
-        return fail(err, "mount", errno, "cannot open %s: %s", path, strerror(errno));
+    place->fd = open(place->path, O_RDONLY | O_DIRECTORY | O_NOATIME | O_CLOEXEC);
+    if (place->fd < 0 || remember_scratch(place) < 0)
+        return fail(err, "mount", errno, "cannot open %s: %s", place->path, strerror(errno));
     return 0;
 }
 
@@ -324,8 +330,8 @@ static int same_time(const struct timespec *a, const struct timespec *b)
     return a->tv_sec == b->tv_sec && a->tv_nsec == b->tv_nsec;
 }
 
-/* The names in a directory but "." and "..", a buffer at a time; 0 at the
- * end, -1 on an error. */
+/* The entries of a directory, a buffer at a time; 0 at the end, -1 on an
+ * error. */
 static long next_names(int fd, char *buf, size_t size)
 {
     return syscall(SYS_getdents64, fd, buf, size);
@@ -337,22 +343,23 @@ static int is_dot(const char *name)
 }
 
 /* A scratch place as it was mounted: empty, with its own mode, owner,
- * times, inode flags and extended attributes (an ACL is one). Nothing else of an empty
- * tmpfs can carry anything, and nothing can be made below it without
- * changing it. Even reading it can (its access time). */
-static int scratch_untouched(int fd, const struct stat *made, ssize_t xattrs, long flags)
+ * times, inode flags and extended attributes (an ACL is one). Nothing else
+ * of an empty tmpfs can carry anything, and nothing can be made below it
+ * without changing it. Even reading it can (its access time). */
+static int scratch_untouched(const struct scratch_place *place)
 {
     char entries[1024] __attribute__((aligned(8)));
+    const struct stat *made = &place->made;
     struct stat now;
-    long now_flags;
-    long n;
+    long flags, n;
 
-    if (ioctl(fd, FS_IOC_GETFLAGS, &now_flags) < 0 || now_flags != flags || fstat(fd, &now) < 0 || now.st_mode != made->st_mode || now.st_uid != made->st_uid ||
-        now.st_gid != made->st_gid || now.st_nlink != made->st_nlink || now.st_size != made->st_size ||
-        !same_time(&now.st_atim, &made->st_atim) || !same_time(&now.st_mtim, &made->st_mtim) ||
-        !same_time(&now.st_ctim, &made->st_ctim) || flistxattr(fd, NULL, 0) != xattrs || lseek(fd, 0, SEEK_SET) < 0)
+    if (ioctl(place->fd, FS_IOC_GETFLAGS, &flags) < 0 || flags != place->flags || fstat(place->fd, &now) < 0 ||
+        now.st_mode != made->st_mode || now.st_uid != made->st_uid || now.st_gid != made->st_gid ||
+        now.st_nlink != made->st_nlink || now.st_size != made->st_size || !same_time(&now.st_atim, &made->st_atim) ||
+        !same_time(&now.st_mtim, &made->st_mtim) || !same_time(&now.st_ctim, &made->st_ctim) ||
+        flistxattr(place->fd, NULL, 0) != place->xattrs || lseek(place->fd, 0, SEEK_SET) < 0)
         return 0;
-    n = next_names(fd, entries, sizeof entries);
+    n = next_names(place->fd, entries, sizeof entries);
     for (long at = 0; n > 0 && at < n;) {
         struct dirent64 *entry = (struct dirent64 *)(entries + at);
 
@@ -420,25 +427,24 @@ static int clear_directory(int fd, int depth)
 }
 
 /* A scratch place back as it was mounted: emptied, then its extended
- * attributes removed and its mode, owner and times made a new mount's. */
-static int restore_scratch(int index, struct init_state *state, struct sbx_report *err)
+ * attributes removed and its flags, mode, owner and times made a new
+ * mount's. */
+static int restore_scratch(struct scratch_place *place, struct sbx_report *err)
 {
-    int fd = state->scratch[index];
-    const struct stat *made = &state->scratch_made[index];
     char names[4096];
     ssize_t len;
 
-    if (clear_directory(fd, 0) < 0)
-        return fail(err, "reset", errno, "cannot empty %s: %s", scratch_paths[index], strerror(errno));
-    len = flistxattr(fd, names, sizeof names);
+    if (clear_directory(place->fd, 0) < 0)
+        return fail(err, "reset", errno, "cannot empty %s: %s", place->path, strerror(errno));
+    len = flistxattr(place->fd, names, sizeof names);
     for (ssize_t at = 0; len > 0 && at < len; at += (ssize_t)strlen(names + at) + 1)
-        if (fremovexattr(fd, names + at) < 0)
-            return fail(err, "reset", errno, "cannot clear %s's attributes: %s", scratch_paths[index], strerror(errno));
-    if (len < 0 || ioctl(fd, FS_IOC_SETFLAGS, &state->scratch_flags[index]) < 0 ||
-        fchown(fd, made->st_uid, made->st_gid) < 0 || fchmod(fd, made->st_mode & 07777) < 0 ||
-        futimens(fd, NULL) < 0 || fstat(fd, &state->scratch_made[index]) < 0)
-        return fail(err, "reset", errno, "cannot restore %s: %s", scratch_paths[index], strerror(errno));
-    state->scratch_xattrs[index] = flistxattr(fd, NULL, 0);
+        if (fremovexattr(place->fd, names + at) < 0)
+            return fail(err, "reset", errno, "cannot clear %s's attributes: %s", place->path, strerror(errno));
+    if (len < 0 || ioctl(place->fd, FS_IOC_SETFLAGS, &place->flags) < 0 ||
+        fchown(place->fd, place->made.st_uid, place->made.st_gid) < 0 ||
+        fchmod(place->fd, place->made.st_mode & 07777) < 0 || futimens(place->fd, NULL) < 0 ||
+        remember_scratch(place) < 0)
+        return fail(err, "reset", errno, "cannot restore %s: %s", place->path, strerror(errno));
     return 0;
 }
 
@@ -482,32 +488,6 @@ static int remove_sysv_objects(struct sbx_report *err)
     return 0;
 }
 
-static int remove_message_queues(int directory, struct sbx_report *err)
-{
-    char entries[1024] __attribute__((aligned(8)));
-    long n;
-
-    while (lseek(directory, 0, SEEK_SET) == 0 &&
-           (n = syscall(SYS_getdents64, directory, entries, sizeof entries)) > 0) {
-        int removed = 0;
-
-        for (long at = 0; at < n;) {
-            struct dirent64 *entry = (struct dirent64 *)(entries + at);
-
-            at += entry->d_reclen;
-            if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-                continue;
-            if (unlinkat(directory, entry->d_name, 0) < 0)
-                return fail(err, "reset", errno, "cannot remove message queue %s: %s", entry->d_name,
-                            strerror(errno));
-            removed = 1;
-        }
-        if (!removed)
-            return 0;
-    }
-    return fail(err, "reset", errno, "cannot list the message queues: %s", strerror(errno));
-}
-
 /* Once per init: the handles the resets need. The mqueue file system is
  * mounted detached, so no guest sees it; it shows this IPC namespace's
  * queues. */
@@ -541,12 +521,13 @@ static int open_reset_handles(struct init_state *state, struct sbx_report *err)
 static int reset_namespaces(struct init_state *state, struct sbx_report *err)
 {
     for (int i = 0; i < 2; i++)
-        if (!scratch_untouched(state->scratch[i], &state->scratch_made[i], state->scratch_xattrs[i],
-                               state->scratch_flags[i]) &&
-            restore_scratch(i, state, err) < 0)
+        if (!scratch_untouched(&state->scratch[i]) && restore_scratch(&state->scratch[i], err) < 0)
             return -1;
-    if (remove_sysv_objects(err) < 0 || remove_message_queues(state->mqueues, err) < 0)
+    if (remove_sysv_objects(err) < 0)
         return -1;
+    /* The mqueue file system has no directories: emptying it removes every queue. */
+    if (clear_directory(state->mqueues, 0) < 0)
+        return fail(err, "reset", errno, "cannot remove the message queues: %s", strerror(errno));
     /* A command may lower its init's limits (it has the init's ids), and the
      * init cannot raise a hard one again: such an init goes. */
     for (int resource = 0; resource < RLIM_NLIMITS; resource++) {
@@ -618,7 +599,7 @@ static int run_one(struct exec_plan *plan, struct sbx_report *err)
 static void __attribute__((noreturn)) run_init(const struct command_settings *settings, int request_fd)
 {
     struct sigaction forward = {.sa_handler = forward_signal};
-    struct init_state state;
+    struct init_state state = {.scratch = {{.path = "/tmp"}, {.path = "/dev/shm"}}};
     struct exec_plan plan = {.fds = {-1, -1, -1, -1}};
     struct sbx_report err;
     int setup_failed = 0;
@@ -630,8 +611,8 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
     else if (close_fds_except((int[]){0, 1, 2, request_fd}, 4) < 0)
         setup_failed = fail(&err, "close_range", errno, "cannot close the holder's fds: %s",
                             strerror(errno));
-    else if (mount_scratch_place(0, settings, &state, &err) < 0 ||
-             mount_scratch_place(1, settings, &state, &err) < 0 ||
+    else if (mount_scratch_place(&state.scratch[0], MS_NOSUID | MS_NODEV, settings->tmp_bytes, &err) < 0 ||
+             mount_scratch_place(&state.scratch[1], MS_NOSUID | MS_NODEV | MS_NOEXEC, SBX_SHM_BYTES, &err) < 0 ||
              mount_private_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, &err) < 0 ||
              open_reset_handles(&state, &err) < 0 || make_read_only("/proc/sys", &err) < 0 ||
              /* Once its mounts are made: the rest of the filter, which the
@@ -662,9 +643,10 @@ static void __attribute__((noreturn)) run_init(const struct command_settings *se
         tell_holder(request_fd, INIT_DONE);
         report_exit_status(plan.fds[SBX_FD_REPLY], status);
         close_plan_fds(&plan);
-        /* An init that cannot put its namespaces back goes (having reported
-         * its command), and the holder makes a new one. */
-        if (reset_namespaces(&state, &err) < 0)
+        /* An init that will not serve again (see serve.c), or cannot put
+         * its namespaces back, goes (having reported its command), and the
+         * holder makes a new one. */
+        if (!settings->reuse_inits || reset_namespaces(&state, &err) < 0)
             _exit(0);
         tell_holder(request_fd, INIT_READY);
     }

@@ -726,17 +726,12 @@ class Backend:
         """The image a stored session runs on (SANDBOX_STATE_MISMATCH if
         it is gone)."""
         try:
-            return self._image_of(description["image"])
+            return self._images.get(description["image"])
         except SandboxError as exc:
             raise SandboxError(
                 ErrorCode.SANDBOX_STATE_MISMATCH,
                 f"session {description['session']} runs on image {description['image']}: {exc.message}",
             ) from None
-
-    def _image_of(self, digest: object) -> Image:
-        """An imported image, for something that is to run on it; the
-        caller holds the store's shared lock until that is recorded."""
-        return self._images.get(check_digest(digest))
 
     async def prewarm(self, *, template: str, files: Mapping[str, bytes], image: str | None = None) -> Template:
         """Snapshot ``files`` (workspace path -> bytes) as a template. The
@@ -752,7 +747,7 @@ class Backend:
 
         def store() -> Template:
             with self._images.locked(exclusive=False):
-                self._image_of(image)
+                self._images.get(image)
                 return self._templates.store(self.name, name, checked, image)
 
         return await trio.to_thread.run_sync(store)
@@ -1086,7 +1081,7 @@ class Backend:
         # An image is not deleted from under a session about to run on it (see delete_image).
         with self._images.locked(exclusive=False) if image else contextlib.nullcontext():
             if image:
-                self._image_of(image)
+                self._images.get(image)
             staging.mkdir(mode=0o700, parents=True)
             with contextlib.ExitStack() as on_failure:
                 on_failure.callback(remove_tree, staging)

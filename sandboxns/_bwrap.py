@@ -283,7 +283,8 @@ class _RootHostNamespaces:
                 target.mkdir()
             else:
                 target.touch()
-        self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, targets[1:], strict=False)))
+        mount_targets = targets[1 : 1 + len(mounts)]
+        self.sources = (targets[0], tuple(replace(m, host=str(t)) for m, t in zip(mounts, mount_targets, strict=True)))
         self.image_root = None if image_root is None else targets[-1]
         # Each tree's owner's files are the guest's: the workspace's owner
         # for it and the mounts, the importer for an image's (as on a host
@@ -622,9 +623,7 @@ class BwrapDriver(HostWorkspaceIO):
             self._etc.mkdir(mode=0o755)
             host_ids = guest_host_ids()
             if host_ids is not None:
-                self._root_host = _RootHostNamespaces(
-                    self.workspace, extra, (uid, gid), host_ids, self._private, root
-                )
+                self._root_host = _RootHostNamespaces(self.workspace, extra, (uid, gid), host_ids, self._private, root)
                 self._sources = self._root_host.sources
                 self._image_root = (listed, self._root_host.image_root)
                 # Host-side file operations act as the workspace's owner, so

@@ -11,6 +11,8 @@ import os
 import pytest
 import trio
 
+import sandboxns
+
 pytestmark = pytest.mark.smoke
 
 # Runs as the guest; prints what it planted, as JSON.
@@ -74,6 +76,16 @@ async def look(session) -> dict:
 
 
 async def test_nothing_a_command_plants_reaches_the_next(session):
+    await plant_and_look(session)
+
+
+async def test_nothing_a_command_plants_reaches_the_next_with_the_hosts_network(driver_name, workspace):
+    # The native driver's inits serve one command each there (see csrc/serve.c).
+    async with sandboxns.open_sandbox(workspace, driver=driver_name, network="allow-all") as session:
+        await plant_and_look(session)
+
+
+async def plant_and_look(session) -> None:
     before = await look(session)
     planting = await session.run("python3", ["-c", PLANT], env=ENV)
     assert planting.exit_code == 0, planting
