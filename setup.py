@@ -18,10 +18,12 @@ HOLDER_SOURCES = [
     "csrc/report.c",
     "csrc/fds.c",
     "csrc/seccomp.c",
+    "csrc/filter.c",
     "csrc/limits.c",
     "csrc/bwrap_init.c",
     "csrc/enter.c",
     "csrc/idmap.c",
+    "csrc/text_file.c",
 ]
 HOLDER_NAME = "sandboxns-holder"
 HOLDER_CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]

@@ -97,7 +97,7 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "sandboxns._sbx",
     '#include <linux/openat2.h>\n#include <sys/syscall.h>\n#include "sbx_ffi.h"\n#include "sbx_seccomp.h"',
-    sources=[f"{CSRC}/{name}.c" for name in ("ffi_spawn", "ffi_files", "ffi_idmap", "ffi_image", "idmap", "seccomp")],
+    sources=[f"{CSRC}/{name}.c" for name in ("ffi_spawn", "ffi_files", "ffi_idmap", "ffi_image", "idmap", "seccomp", "text_file")],
     include_dirs=[CSRC],
     extra_compile_args=WARNINGS,
 )

@@ -13,10 +13,9 @@
 #define RUNTIME_RO (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 #define WORKSPACE_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 
-/* The host hands the holder its end of the control socket as this fd, and
- * optionally the session's lease file as LEASE_FD (see holder.c). */
-#define CONTROL_FD 3
-#define LEASE_FD 4
+/* The fds the host hands the holder (sbx_proto.h). */
+#define CONTROL_FD SBX_HOLDER_CONTROL_FD
+#define LEASE_FD SBX_HOLDER_LEASE_FD
 
 /* An extra host tree bound into the guest (--bind=ro|rw:GUEST:HOST). */
 #define MAX_EXTRA_BINDS 8
@@ -97,7 +96,8 @@ struct holder_config {
     struct command_settings commands;
 };
 
-/* holder.c */
+/* filter.c */
+int compile_seccomp(struct holder_config *cfg, struct sbx_report *err);
 int seccomp_install(const struct seccomp_part *part, struct sbx_report *err);
 
 /* report.c: structured errors, in the spirit of crun's sync socket. */

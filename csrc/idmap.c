@@ -31,27 +31,14 @@
 
 #include "idmap.h"
 #include "syscalls.h"
-
-static int write_file(const char *path, const char *data)
-{
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    ssize_t len = (ssize_t)strlen(data), written;
-    int err;
-
-    if (fd < 0)
-        return -errno;
-    written = write(fd, data, (size_t)len);
-    err = errno;
-    close(fd);
-    return written == len ? 0 : -err;
-}
+#include "text_file.h"
 
 static int write_child_file(pid_t child, const char *name, const char *data)
 {
     char path[64];
 
     snprintf(path, sizeof path, "/proc/%d/%s", (int)child, name);
-    return write_file(path, data);
+    return write_text_file(path, data, 0);
 }
 
 /* A helper child that enters a new namespace (what), tells us, waits for us
@@ -162,7 +149,7 @@ static int limit_nesting(void *arg)
 {
     const struct userns_maps *maps = arg;
 
-    return maps->forbid_nesting ? write_file("/proc/sys/user/max_user_namespaces", "0\n") : 0;
+    return maps->forbid_nesting ? write_text_file("/proc/sys/user/max_user_namespaces", "0\n", 0) : 0;
 }
 
 /* Before unsharing: the namespace's owner is whoever makes it. */

@@ -19,6 +19,7 @@
 
 #include "holder.h"
 #include "syscalls.h"
+#include "text_file.h"
 
 /* Any existing directory works as the build location: what was under it has
  * already been cloned, and the mount is private to the session. */
@@ -438,19 +439,12 @@ static int make_dir(const char *path, struct sbx_report *err)
     return 0;
 }
 
-static int write_file(const char *path, const char *content, struct sbx_report *err)
+static int write_etc_file(const char *path, const char *content, struct sbx_report *err)
 {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    ssize_t len = (ssize_t)strlen(content);
+    int rc = write_text_file(path, content, O_CREAT | O_TRUNC);
 
-    if (fd < 0)
-        return fail(err, "etc", errno, "cannot create /%s: %s", path, strerror(errno));
-    if (write(fd, content, (size_t)len) != len) {
-        int e = errno;
-        close(fd);
-        return fail(err, "etc", e, "cannot write /%s: %s", path, strerror(e));
-    }
-    close(fd);
+    if (rc < 0)
+        return fail(err, "etc", -rc, "cannot write /%s: %s", path, strerror(-rc));
     return 0;
 }
 
@@ -548,12 +542,12 @@ static int write_etc(const struct holder_config *cfg, const struct plan *plan,
         snprintf(group, sizeof group, "root:x:0:\nsandbox:x:%u:\n", cfg->inner_gid);
     snprintf(hosts, sizeof hosts, "127.0.0.1\tlocalhost %s\n::1\tlocalhost ip6-localhost\n",
              cfg->hostname);
-    if (write_file("etc/passwd", passwd, err) < 0 || write_file("etc/group", group, err) < 0 ||
-        write_file("etc/hosts", hosts, err) < 0 ||
-        write_file("etc/hostname", cfg->hostname, err) < 0 ||
-        write_file("etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n", err) < 0)
+    if (write_etc_file("etc/passwd", passwd, err) < 0 || write_etc_file("etc/group", group, err) < 0 ||
+        write_etc_file("etc/hosts", hosts, err) < 0 ||
+        write_etc_file("etc/hostname", cfg->hostname, err) < 0 ||
+        write_etc_file("etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n", err) < 0)
         return -1;
-    if (plan->resolv_conf[0] && write_file("etc/resolv.conf", plan->resolv_conf, err) < 0)
+    if (plan->resolv_conf[0] && write_etc_file("etc/resolv.conf", plan->resolv_conf, err) < 0)
         return -1;
     return 0;
 }

@@ -5,10 +5,6 @@
 
 #include "sbx_proto.h"
 
-/* Must match CONTROL_FD and LEASE_FD in holder.h. */
-#define SBX_HOLDER_CONTROL_FD 3
-#define SBX_HOLDER_LEASE_FD 4
-
 int sbx_spawn_holder(const char *path, char *const argv[], int control_fd, int lease_fd, int cgroup_procs_fd);
 int sbx_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
 int sbx_set_fs_ids(unsigned int uid, unsigned int gid);

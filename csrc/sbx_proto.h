@@ -33,6 +33,11 @@
 #include <stdint.h>
 
 #define SBX_PROTO_VERSION 4
+
+/* The host hands the holder its end of the control socket as this fd, and
+ * optionally the session's lease file as the next (see holder.c). */
+#define SBX_HOLDER_CONTROL_FD 3
+#define SBX_HOLDER_LEASE_FD 4
 /* Upper bound on the strings of one request (cwd + argv + env). */
 #define SBX_MAX_REQUEST_STRINGS (128 * 1024)
 

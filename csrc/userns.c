@@ -14,22 +14,7 @@
 
 #include "holder.h"
 #include "idmap.h"
-
-static int write_proc_file(const char *path, const char *data)
-{
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    ssize_t len = (ssize_t)strlen(data);
-
-    if (fd < 0)
-        return -errno;
-    if (write(fd, data, (size_t)len) != len) {
-        int err = errno;
-        close(fd);
-        return -err;
-    }
-    close(fd);
-    return 0;
-}
+#include "text_file.h"
 
 /* Prepared fds must not sit on LEASE_FD, which the holder closes when it
  * is free of the launcher's business (it may be unused, so free here). */
@@ -167,16 +152,16 @@ int userns_enter(const struct holder_config *cfg, struct sbx_report *err)
     /* An unprivileged process may write a gid_map only after giving up
      * setgroups(2), so a guest can never drop a supplementary group that
      * denies it access to something on the host. */
-    rc = write_proc_file("/proc/self/setgroups", "deny");
+    rc = write_text_file("/proc/self/setgroups", "deny", 0);
     if (rc < 0)
         return fail(err, "setgroups", -rc, "cannot deny setgroups: %s", strerror(-rc));
     snprintf(map, sizeof map, "%u %u 1\n", cfg->inner_uid, cfg->outer_uid);
-    rc = write_proc_file("/proc/self/uid_map", map);
+    rc = write_text_file("/proc/self/uid_map", map, 0);
     if (rc < 0)
         return fail(err, "uid_map", -rc, "cannot map uid %u to %u: %s", cfg->outer_uid,
                     cfg->inner_uid, strerror(-rc));
     snprintf(map, sizeof map, "%u %u 1\n", cfg->inner_gid, cfg->outer_gid);
-    rc = write_proc_file("/proc/self/gid_map", map);
+    rc = write_text_file("/proc/self/gid_map", map, 0);
     if (rc < 0)
         return fail(err, "gid_map", -rc, "cannot map gid %u to %u: %s", cfg->outer_gid,
                     cfg->inner_gid, strerror(-rc));
@@ -190,7 +175,7 @@ int userns_enter(const struct holder_config *cfg, struct sbx_report *err)
  * having dropped every capability, cannot raise it again. */
 int userns_forbid_nesting(struct sbx_report *err)
 {
-    int rc = write_proc_file("/proc/sys/user/max_user_namespaces", "0\n");
+    int rc = write_text_file("/proc/sys/user/max_user_namespaces", "0\n", 0);
 
     if (rc < 0)
         return fail(err, "userns-limit", -rc, "cannot forbid nested user namespaces: %s", strerror(-rc));
