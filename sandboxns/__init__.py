@@ -23,8 +23,9 @@ from ._gateway import AuditRecord
 from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
+from ._paths import normalize_path
 from ._rootfs_images import Image
-from ._session import RunResult, Session, create_sandbox_session, normalize_path
+from ._session import RunResult, Session, create_sandbox_session
 from ._snapshots import Snapshot
 from ._spec import InstallResult, SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
 from ._templates import Template

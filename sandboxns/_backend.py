@@ -67,7 +67,7 @@ from ._image import WorkspaceImage, require_workspace_cap_support
 from ._layers import copy_tree, merge_layers, move_tree, remove_tree
 from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, GATEWAY_ENVIRONMENT, NetworkPolicy, check_network_policy
-from ._open import driver_class
+from ._registry import driver_class
 from ._rootfs_images import Image, ImageStore, check_digest, session_environment
 from ._session import DEFAULT_ENV, Session, check_seconds, create_sandbox_session
 from ._snapshots import (
@@ -1621,7 +1621,9 @@ def delete_image(state_directory: Path, digest: str) -> None:
             with contextlib.suppress(SandboxError):  # gone meanwhile, or not usable anyway
                 if read_description(state_directory, session_id).get("image") == digest:
                     users.append(f"session {session_id}")
-        users += [f"snapshot {snapshot_id}" for snapshot_id in SnapshotStore(state_directory / "snapshots").on_image(digest)]
+        users += [
+            f"snapshot {snapshot_id}" for snapshot_id in SnapshotStore(state_directory / "snapshots").on_image(digest)
+        ]
         if users:
             shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
             raise SandboxError(ErrorCode.SANDBOX_BUSY, f"image {digest} is the root of {shown}; delete those first")

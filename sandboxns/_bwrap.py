@@ -54,6 +54,7 @@ from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits
 from ._driver import (
     GUEST_INIT,
+    HOLDER_PATH,
     ExitStatus,
     GatewayEndpoint,
     Mount,
@@ -64,13 +65,12 @@ from ._driver import (
     received_fds,
 )
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE, HostWorkspaceIO, WorkspaceFiles
+from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
-from ._native import HOLDER_PATH
 from ._network import GATEWAY_SOCKET_NAME, GUEST_GATEWAY_DIR, GUEST_SOCKET, PROXY_PORT, NetworkPolicy
+from ._paths import WORKSPACE
 from ._pump import CommandPipes, OutputSink
-from ._session import Session
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
@@ -552,6 +552,23 @@ def _open_init(pid: int, pid_namespace: object) -> int | None:
     return pidfd
 
 
+class _ProbeOutput:
+    """The start of a probe's stderr, to say why it failed."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.stderr = bytearray()
+
+    def feed(self, name: str, chunk: bytes) -> bool:
+        if name == "stderr":
+            self.stderr += chunk[: self.LIMIT - len(self.stderr)]
+        return False
+
+    def stderr_text(self) -> str:
+        return self.stderr.decode(errors="replace").strip()
+
+
 class BwrapDriver(HostWorkspaceIO):
     """A sandbox session made of bwrap invocations, one per command."""
 
@@ -647,14 +664,29 @@ class BwrapDriver(HostWorkspaceIO):
         return self
 
     async def _probe(self) -> None:
+        """Run the init's own program, which every guest has whatever its
+        root, and want it to succeed."""
+        output = _ProbeOutput()
+        status = None
         try:
-            # The init's own program, which every guest has, whatever its root.
-            result = await Session(self).run(GUEST_INIT, ["--version"], env={}, timeout=PROBE_TIMEOUT)
-        except SandboxError as exc:
-            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
-        if result.exit_code != 0:
+            process = await self.spawn([GUEST_INIT, "--version"], env={}, cwd=WORKSPACE, output=output)
+        except OSError as exc:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot start bwrap's test command: {exc}") from None
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT):
+                status = await process.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                if status is None:
+                    await process.send_signal(signal.SIGKILL)
+                    await process.wait()
+                await process.aclose()
+        if status is None:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command took over {PROBE_TIMEOUT} s")
+        if status.exit_code != 0:
+            how = f"exit {status.exit_code}" if status.signal is None else f"signal {status.signal}"
             raise SandboxError(
-                ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({result}): {result.stderr.strip()}"
+                ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({how}): {output.stderr_text()}"
             )
 
     def _release(self) -> None:

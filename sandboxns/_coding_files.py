@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE, discard_temporary, entry_kind, open_beneath_no_symlinks, path_error, write_temporary
+from ._files import discard_temporary, entry_kind, open_beneath_no_symlinks, path_error, write_temporary
+from ._paths import WORKSPACE
 
 SKIPPED_DIRECTORIES = frozenset(
     {

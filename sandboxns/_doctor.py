@@ -22,9 +22,10 @@ from pathlib import Path
 import trio
 
 from ._bwrap import find_bwrap
+from ._driver import HOLDER_PATH
 from ._errors import SandboxError
 from ._image import missing_for_workspace_cap
-from ._native import HOLDER_PATH, NativeDriver
+from ._native import NativeDriver
 from ._open import open_sandbox
 from ._session import Session
 

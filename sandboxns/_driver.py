@@ -21,9 +21,18 @@ import trio
 
 from ._confinement import Confinement, ResourceLimits, check_confinement
 from ._errors import ErrorCode, SandboxError, invalid_argument
-from ._files import WORKSPACE, DirEntry
+from ._files import DirEntry
 from ._network import GUEST_GATEWAY_DIR, GUEST_SOCKET, NetworkPolicy, check_network_policy
+from ._paths import WORKSPACE
 from ._pump import OutputSink
+
+# The program each native session execs, which is also the init of every
+# bwrap sandbox (`sandboxns-holder --init`).
+HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
+# A command's cwd, arguments and environment together (as NUL-terminated
+# strings): what every driver must take (the native holder's request size),
+# far below ARG_MAX.
+MAX_COMMAND_BYTES = 128 * 1024
 
 
 class OverlayUnavailable(SandboxError):

@@ -34,9 +34,9 @@ import trio
 from . import _ffi
 from ._errors import ErrorCode, SandboxError
 from ._lease import Lease
+from ._paths import WORKSPACE
 
 # Where the workspace appears inside every sandbox; guest paths start here.
-WORKSPACE = "/workspace"
 # How deep remove(recursive=True) descends. It holds one open directory per
 # level, so a guest's 10,000-deep tree must not cost the host as many fds;
 # deeper trees go with the session, or with an `rm -rf` run in the sandbox.

@@ -24,6 +24,8 @@ from . import _ffi
 from ._cgroup import SessionCgroup
 from ._confinement import Confinement, ResourceLimits
 from ._driver import (
+    HOLDER_PATH,
+    MAX_COMMAND_BYTES,
     ExitStatus,
     GatewayEndpoint,
     Mount,
@@ -39,9 +41,7 @@ from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._network import PROXY_PORT, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
-from ._session import MAX_COMMAND_BYTES
 
-HOLDER_PATH = Path(__file__).with_name("sandboxns-holder")
 assert _ffi.MAX_REQUEST_STRINGS >= MAX_COMMAND_BYTES, "the holder must take any command the session accepts"
 # Session setup is a few milliseconds; this only bounds a wedged holder.
 HOLDER_READY_TIMEOUT = 10.0
@@ -404,7 +404,9 @@ class NativeDriver(HostWorkspaceIO):
             return False
         await self._close_broken()
         if report is None:
-            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, "the holder went away while the workspace took new layers")
+            raise SandboxError(
+                ErrorCode.SANDBOX_UNAVAILABLE, "the holder went away while the workspace took new layers"
+            )
         raise _error_from_report(report, "putting new layers under the workspace")
 
     async def _close_broken(self) -> None:

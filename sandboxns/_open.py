@@ -8,25 +8,11 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from ._bwrap import BwrapDriver
 from ._confinement import Confinement
-from ._errors import ErrorCode, SandboxError
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
-from ._native import NativeDriver
 from ._network import check_network_policy
+from ._registry import driver_class
 from ._session import Session, create_sandbox_session
-
-DRIVERS = {"native": NativeDriver, "bwrap": BwrapDriver}
-
-
-def driver_class(name: object):
-    """The driver class called ``name``."""
-    try:
-        return DRIVERS[name]  # type: ignore[index]
-    except (KeyError, TypeError):
-        raise SandboxError(
-            ErrorCode.SANDBOX_INVALID_ARGUMENT, f"unknown driver {name!r}; choose one of {', '.join(DRIVERS)}"
-        ) from None
 
 
 @asynccontextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import posixpath
 import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,10 +20,11 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ._confinement import ResourceLimits
-from ._driver import ExitStatus, SandboxDriver, SandboxProcess
+from ._driver import MAX_COMMAND_BYTES, ExitStatus, SandboxDriver, SandboxProcess
 from ._errors import ErrorCode, SandboxError, invalid_argument
-from ._files import WORKSPACE, DirEntry
+from ._files import DirEntry
 from ._network import PROXY_ENVIRONMENT, PROXY_TRUST_ENVIRONMENT, NetworkPolicy, check_network_policy
+from ._paths import WORKSPACE, normalize_path
 from ._pump import OutputSink
 
 if TYPE_CHECKING:
@@ -36,9 +36,6 @@ MAX_FILE_BYTES = 1024 * 1024  # per read or write through the API, unless config
 # The most configure() allows: output and file data are held in memory.
 MAX_OUTPUT_BYTES_LIMIT = 1024**3
 MAX_FILE_BYTES_LIMIT = 256 * 1024**2
-# A command's cwd, arguments and environment together (as NUL-terminated
-# strings); the native holder's request size, and far below ARG_MAX.
-MAX_COMMAND_BYTES = 128 * 1024
 DEFAULT_ENV: Mapping[str, str] = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKSPACE,
@@ -46,22 +43,6 @@ DEFAULT_ENV: Mapping[str, str] = {
 }
 # A cancelled command gets this long after SIGTERM before SIGKILL.
 CANCEL_GRACE = 1.0
-
-
-def normalize_path(path: object) -> str:
-    """Return the canonical guest path (``/workspace/...``) for a
-    workspace-relative or ``/workspace/...`` path; refuse anything else."""
-    if not isinstance(path, str):
-        raise invalid_argument(f"a path must be a string, not {type(path).__name__}")
-    if not path or "\0" in path:
-        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"invalid path {path!r}")
-    joined = path if path.startswith("/") else f"{WORKSPACE}/{path}"
-    normal = posixpath.normpath(joined)
-    if normal.startswith("//"):  # normpath keeps a leading '//'
-        normal = "/" + normal.lstrip("/")
-    if normal != WORKSPACE and not normal.startswith(WORKSPACE + "/"):
-        raise SandboxError(ErrorCode.SANDBOX_PATH_REFUSED, f"path {path!r} is outside the workspace {WORKSPACE}")
-    return normal
 
 
 def _check_string(value: object, what: str) -> str:

@@ -154,7 +154,9 @@ def _record_problem(value: object) -> str | None:
         return "its size is not a number of bytes"
     if not isinstance(value["backend"], str):
         return "it names no backend"
-    if not (value["template"] is None or (isinstance(value["template"], str) and KEY_PATTERN.fullmatch(value["template"]))):
+    if not (
+        value["template"] is None or (isinstance(value["template"], str) and KEY_PATTERN.fullmatch(value["template"]))
+    ):
         return "its template is not a template key"
     layers, on_template = value["layers"], value["on_template"]
     if not isinstance(on_template, bool) or (on_template and value["template"] is None):
@@ -247,7 +249,9 @@ class SnapshotStore:
         try:
             data = read_record(path, MAX_RECORD_BYTES) or b""
         except FileNotFoundError:
-            raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no snapshot {snapshot_id} in {self.root.parent}") from None
+            raise SandboxError(
+                ErrorCode.SANDBOX_NOT_FOUND, f"no snapshot {snapshot_id} in {self.root.parent}"
+            ) from None
         try:
             record = json.loads(data)
         except ValueError:
@@ -257,7 +261,8 @@ class SnapshotStore:
             problem = f"it names snapshot {record['id']}"
         if problem is not None:
             raise SandboxError(
-                ErrorCode.SANDBOX_STATE_MISMATCH, f"the stored record of snapshot {snapshot_id} is not usable: {problem}"
+                ErrorCode.SANDBOX_STATE_MISMATCH,
+                f"the stored record of snapshot {snapshot_id} is not usable: {problem}",
             )
         return Snapshot.from_dict(record)
 

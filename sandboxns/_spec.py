@@ -62,7 +62,7 @@ from ._backend import (
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError
 from ._network import AllowedOrigin, NetworkPolicy, Origin, header_name_problem, parse_origin
-from ._open import DRIVERS
+from ._registry import DRIVERS
 from ._rootfs_images import check_digest
 from ._routing import Refusal, route_request, route_tunnel
 from ._session import (

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._errors import ErrorCode, SandboxError, invalid_argument
-from ._files import WORKSPACE
-from ._session import normalize_path
+from ._paths import WORKSPACE, normalize_path
 
 TEMPLATE_FORMAT = 1
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")

@@ -57,12 +57,12 @@ import trio
 from ._backend import SessionHandle, open_backend, stored_session_state
 from ._driver import Mount
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status
 from ._network import check_network_policy
+from ._paths import WORKSPACE, normalize_path
 from ._rootfs_images import check_digest
-from ._session import RunResult, check_seconds, normalize_path
+from ._session import RunResult, check_seconds
 
 __all__ = [
     "ImageSandbox",

@@ -91,7 +91,9 @@ class Model:
 
 TEMPLATE = {f"t/d{d:02}/f{f:03}": f"template {d} {f}\n" for d in range(50) for f in range(100)}
 # The session's own 5,000 files, written by one command.
-WRITE_OWN = "for d in $(seq -w 0 49); do mkdir -p s/d$d; for f in $(seq -w 0 99); do echo own $d $f > s/d$d/f$f; done; done"
+WRITE_OWN = (
+    "for d in $(seq -w 0 49); do mkdir -p s/d$d; for f in $(seq -w 0 99); do echo own $d $f > s/d$d/f$f; done; done"
+)
 OWN = {f"s/d{d:02}/f{f:02}": f"own {d:02} {f:02}\n" for d in range(50) for f in range(100)}
 
 
@@ -480,7 +482,14 @@ async def test_forks_from_the_pool_are_whole_sessions_of_the_snapshot(backend):
             for i, fork in enumerate(forks):
                 await sh(fork, f"echo {i} > mine")
             for i, fork in enumerate(forks):
-                assert (await sh(fork, "ls; cat a b mine")).stdout.split() == ["a", "b", "mine", "template", "origin", str(i)]
+                assert (await sh(fork, "ls; cat a b mine")).stdout.split() == [
+                    "a",
+                    "b",
+                    "mine",
+                    "template",
+                    "origin",
+                    str(i),
+                ]
                 assert fork.template_key == template.template_key
             # A new network namespace is a new holder: it stands on the snapshot too.
             await forks[0].session.set_network_policy("allow-all")
@@ -551,9 +560,7 @@ async def test_pooled_forks_take_the_lifetime_they_are_given(backend):
     assert len(await backend.snapshots()) == 1  # the refused fork took no snapshot
 
 
-async def test_a_session_not_settled_on_its_stored_snapshot_stops_and_settles_at_the_next_attach(
-    backend, monkeypatch
-):
+async def test_a_session_not_settled_on_its_stored_snapshot_stops_and_settles_at_the_next_attach(backend, monkeypatch):
     if backend.name != "native" or not backend._overlay:
         pytest.skip("an overlay workspace's snapshot")
     settle = type(backend)._settle_snapshot_locked

@@ -104,7 +104,14 @@ async def test_an_index_that_needs_a_token_is_installed_from_through_the_interce
     # pip trusts the session's CA (the spec names no CA of its own) and the
     # gateway sends each request on with the token, which the guest never has.
     origin = f"https://localhost:{package_index.server.port}"
-    trust = {"PIP_CERT", "GIT_SSL_CAINFO", "npm_config_cafile", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE", "SSL_CERT_FILE"}
+    trust = {
+        "PIP_CERT",
+        "GIT_SSL_CAINFO",
+        "npm_config_cafile",
+        "NODE_EXTRA_CA_CERTS",
+        "CURL_CA_BUNDLE",
+        "SSL_CERT_FILE",
+    }
     guest_env = {name: value for name, value in tool_env("/workspace", "", GUEST_PATH).items() if name not in trust}
     spec = SandboxSpec.from_dict(
         {
