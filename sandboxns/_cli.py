@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import outcome
 import trio
 
 from ._backend import (
@@ -27,7 +28,8 @@ from ._backend import (
 from ._errors import ErrorCode, SandboxError
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status, session_ids
-from ._open import DRIVERS, open_sandbox
+from ._open import open_sandbox
+from ._registry import DRIVERS
 from ._rootfs_images import ImageStore, check_digest
 from ._session import DEFAULT_TIMEOUT, Session, check_command
 from ._snapshots import SnapshotStore, snapshot_id_of
@@ -38,6 +40,15 @@ EXIT_TIMED_OUT = 124
 EXIT_SANDBOX_ERROR = 125
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
+EXIT_STATUSES = "Exits with CMD's exit status; see below for the statuses of its own."
+EXIT_STATUSES_DETAIL = f"""exit statuses:
+  N          CMD exited with N
+  128+N      signal N killed CMD
+  {EXIT_TIMED_OUT}        CMD ran out of --timeout (it was killed)
+  {EXIT_SANDBOX_ERROR}        the sandbox could not be set up or failed (sandboxns says why on stderr)
+  {EXIT_CANNOT_EXECUTE}        CMD cannot be executed (not a program, no permission), or the request was
+             refused (a bad option, spec or environment variable)
+  {EXIT_NOT_FOUND}        CMD does not exist in the sandbox (or --workspace does not exist)"""
 
 
 class _Forwarder:
@@ -101,6 +112,32 @@ async def _run_forwarding(session: Session, args: argparse.Namespace, command: l
     return result.exit_code
 
 
+async def _until_signalled(main, args: argparse.Namespace) -> int:
+    """Run ``main(args)``; SIGINT, SIGTERM and SIGHUP end it alike: the
+    command is terminated (SIGTERM, then SIGKILL after a grace), what the
+    run made is removed, and we exit 128+N like a shell's child."""
+    received = []
+    result = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def run_main() -> None:
+                nonlocal result
+                # Captured, so main's own error leaves here as itself
+                # rather than in the nursery's exception group.
+                result = await outcome.acapture(main, args)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run_main)
+            async for signum in signals:
+                received.append(signum)
+                nursery.cancel_scope.cancel()
+                break
+    if received:
+        return 128 + received[0]
+    return result.unwrap()
+
+
 async def _run(args: argparse.Namespace) -> int:
     command = _command(args, "sandboxns run -- CMD [ARG...]")
     if args.spec is not None:
@@ -110,9 +147,7 @@ async def _run(args: argparse.Namespace) -> int:
     temporary = None
     workspace = args.workspace
     if workspace is None:
-        scratch = default_state_directory() / "tmp"
-        scratch.mkdir(parents=True, exist_ok=True)
-        temporary = workspace = tempfile.mkdtemp(prefix="run-", dir=scratch)
+        temporary = workspace = _make_throwaway_workspace()
     try:
         if args.image is not None:
             return await _run_on_image(args, command, Path(workspace))
@@ -126,6 +161,20 @@ async def _run(args: argparse.Namespace) -> int:
             # remove_tree copes with all of it; shutil.rmtree does not.
             with contextlib.suppress(SandboxError):
                 remove_tree(Path(temporary))
+            # The directory of throwaway workspaces goes with the last of
+            # them; a run starting beside us recreates it (see above).
+            with contextlib.suppress(OSError):
+                Path(temporary).parent.rmdir()
+
+
+def _make_throwaway_workspace() -> str:
+    scratch = default_state_directory() / "tmp"
+    while True:
+        scratch.mkdir(parents=True, exist_ok=True)
+        try:
+            return tempfile.mkdtemp(prefix="run-", dir=scratch)
+        except FileNotFoundError:
+            continue  # a run that just ended removed the directory
 
 
 async def _run_on_image(args: argparse.Namespace, command: list[str], workspace: Path) -> int:
@@ -230,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run one command in a throwaway sandbox",
         description="Run CMD in a throwaway sandbox whose /workspace is DIR (default: a new empty "
-        "directory, removed afterwards). Exits with CMD's exit status (128+N if signal N killed it), "
-        f"{EXIT_TIMED_OUT} on timeout, {EXIT_SANDBOX_ERROR} if the sandbox could not be set up.",
+        f"directory, removed afterwards). {EXIT_STATUSES}",
+        epilog=EXIT_STATUSES_DETAIL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--workspace", metavar="DIR", help="host directory to mount read-write at /workspace")
     run.add_argument("--network", choices=("deny-all", "internet", "allow-all"), help="default deny-all")
@@ -256,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one command in an existing backend session",
         description="Resume session ID of the backend in --state-dir, run CMD in it, and stop it again. The "
         "session's lease is held for the command's duration, so this is refused (SANDBOX_BUSY) while "
-        "another process holds the session. Exit statuses as for 'run'.",
+        f"another process holds the session. {EXIT_STATUSES}",
+        epilog=EXIT_STATUSES_DETAIL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     exec_.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     exec_.add_argument("--session", required=True, metavar="ID")
@@ -419,13 +471,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.subcommand == "validate":
             return _validate(args)
         if args.subcommand == "exec":
-            return trio.run(_exec, args)
+            return trio.run(_until_signalled, _exec, args)
         if args.subcommand == "mcp":
             from ._mcp import run_mcp
 
             trio.run(run_mcp, args)
             return 0
-        return trio.run(_run, args)
+        return trio.run(_until_signalled, _run, args)
     except SandboxError as error:
         print(f"sandboxns: {error.message}", file=sys.stderr)
         return _exit_status_for(error)

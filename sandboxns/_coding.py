@@ -32,7 +32,8 @@ import trio
 
 from . import _coding_files as files
 from ._errors import ErrorCode, SandboxError
-from ._files import WORKSPACE, HostWorkspaceIO
+from ._files import HostWorkspaceIO
+from ._paths import WORKSPACE
 from ._session import RunResult, Session, check_command
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
@@ -167,14 +168,34 @@ Operation = (
 )  # fmt: skip
 
 
+# What a model can do about a refusal, when the refusal has no hint of its own.
+DEFAULT_HINTS = {
+    ErrorCode.SANDBOX_INVALID_ARGUMENT.value: "fix the arguments to match the tool's schema",
+    ErrorCode.SANDBOX_PATH_REFUSED.value: "use a relative path, or one under /workspace, without '..'",
+    ErrorCode.SANDBOX_NOT_FOUND.value: "list the directory to see what exists",
+    ErrorCode.SANDBOX_LIMIT.value: "ask for less: a smaller range, shorter content or fewer results",
+    ErrorCode.SANDBOX_BUSY.value: "try again shortly",
+    ErrorCode.SANDBOX_UNAVAILABLE.value: "try again; if it persists, report it to the user",
+    ErrorCode.SANDBOX_STOPPED.value: "the sandbox has stopped; report it to the user",
+    ErrorCode.SANDBOX_POLICY_REFUSED.value: "the sandbox's policy does not allow this; do without it",
+    FORBIDDEN: "the host does not allow this; do something else or ask the user",
+    EDIT_NO_MATCH: "read the file again and copy old_text exactly",
+    EDIT_AMBIGUOUS: "include more surrounding lines in old_text, or set replace_all",
+    EDIT_STALE: "read the file again",
+    INSUFFICIENT: "the sandbox no longer gives this tool what it needs; report it to the user",
+}
+
+
 class ToolRefusal(Exception):
-    """A tool call that did not happen, as the model is told."""
+    """A tool call that did not happen, as the model is told: the code, what
+    was wrong, and what to do about it (a default for the code unless the
+    refusal says better)."""
 
     def __init__(self, code: str, message: str, hint: str = "") -> None:
         super().__init__(message)
         self.code = str(code)
         self.message = message
-        self.hint = hint
+        self.hint = hint or DEFAULT_HINTS.get(self.code, "")
 
     def as_result(self) -> dict:
         return {"error": self.code, "message": self.message, "hint": self.hint}

@@ -31,6 +31,8 @@ import sandboxns
 from sandboxns import ErrorCode, SandboxError
 from sandboxns._bwrap import find_bwrap
 
+pytest_plugins = ["skip_reasons"]
+
 DRIVERS = ["native", "bwrap"]
 
 

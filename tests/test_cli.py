@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import host_processes_with, sleep_marker
 
 pytestmark = pytest.mark.smoke
 
@@ -67,7 +69,7 @@ def test_default_workspace_is_new_empty_and_removed(tmp_path):
     state = tmp_path / "state"
     done = sandboxns("run", "--", "/bin/sh", "-c", "ls -A; touch x", cwd=tmp_path, env={"XDG_STATE_HOME": str(state)})
     assert (done.returncode, done.stdout) == (0, b"")
-    assert list((state / "sandboxns" / "tmp").iterdir()) == []
+    assert not (state / "sandboxns" / "tmp").exists()  # nor the directory of throwaway workspaces
 
 
 def test_signal_timeout_and_errors_map_to_exit_statuses(driver_name, tmp_path):
@@ -88,6 +90,15 @@ def test_signal_timeout_and_errors_map_to_exit_statuses(driver_name, tmp_path):
         "run", "--driver", driver_name, "--workspace", str(tmp_path / "nope"), "--", "true", cwd=tmp_path, env=env
     )
     assert no_workspace.returncode == 127 and b"not a directory" in no_workspace.stderr
+    not_a_program = sandboxns("run", "--driver", driver_name, "--", "/etc/hostname", cwd=tmp_path, env=env)
+    assert not_a_program.returncode == 126 and b"Permission denied" in not_a_program.stderr
+
+
+def test_run_help_lists_every_exit_status(tmp_path):
+    described = sandboxns("run", "--help", cwd=tmp_path).stdout.decode()
+    entries = [line for line in described.split("exit statuses:")[1].splitlines() if line[2:3].strip()]
+    listed = [line.split()[0] for line in entries]
+    assert listed[:2] == ["N", "128+N"] and sorted(listed[2:]) == ["124", "125", "126", "127"]
 
 
 def test_network_flag(tmp_path):
@@ -239,3 +250,20 @@ def test_run_input_from_files_and_pipes_nobody_reads(driver_name, tmp_path):
         running.stdin.write(b"never read\n")
         running.stdin.flush()
         assert running.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signalled_run_ends_its_command_and_leaves_nothing(tmp_path, signum):
+    marker = sleep_marker()
+    state = tmp_path / "state"
+    with subprocess.Popen(
+        [sys.executable, "-P", "-m", "sandboxns", "run", "--", "/bin/sh", "-c", f"echo ready; exec sleep {marker}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "XDG_STATE_HOME": str(state)},
+    ) as run:
+        assert run.stdout.readline() == b"ready\n"  # the command runs
+        run.send_signal(signum)
+        assert run.wait(timeout=30) == 128 + signum
+    assert host_processes_with(marker) == []
+    assert not (state / "sandboxns" / "tmp").exists()  # no throwaway workspace, nor their directory

@@ -58,6 +58,7 @@ async def call(tools, name: str, **arguments) -> dict:
 
 def refused(result: dict, code: str) -> None:
     assert result.get("error") == code, result
+    assert result["hint"], f"a refusal with nothing to do about it: {result}"  # every refusal says what to do
 
 
 async def test_the_tool_set_and_its_schemas(tools):
@@ -442,7 +443,11 @@ async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recor
 
     monkeypatch.setattr(session, "_execute", broken)
     result = await call(tools, "run_command", executable="shell")
-    assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
+    assert result == {
+        "error": "SANDBOX_UNAVAILABLE",
+        "message": _coding.UNAVAILABLE_REASON,
+        "hint": _coding.DEFAULT_HINTS["SANDBOX_UNAVAILABLE"],
+    }
     assert [(tool, exc.message) for tool, exc in seen] == [("run_command", "holder exploded at /some/host/path")]
 
 
@@ -520,7 +525,11 @@ async def test_a_holder_killed_from_the_host_is_unavailable_then_stopped(workspa
         assert host_processes_with(marker) == []
         # A broken sandbox, not a stop: the model gets the fixed reason, the
         # host the cause.
-        assert result == {"error": "SANDBOX_UNAVAILABLE", "message": _coding.UNAVAILABLE_REASON, "hint": ""}
+        assert result == {
+            "error": "SANDBOX_UNAVAILABLE",
+            "message": _coding.UNAVAILABLE_REASON,
+            "hint": _coding.DEFAULT_HINTS["SANDBOX_UNAVAILABLE"],
+        }
         [(tool, cause)] = seen
         assert tool == "run_command" and cause.code == ErrorCode.SANDBOX_UNAVAILABLE and "holder" in cause.message
         # The session is gone for the tools and the session alike.
