@@ -85,6 +85,45 @@ MAX_SIGNAL = 64
 PROBE_TIMEOUT = 10.0
 
 
+def private_root() -> Path:
+    """Where this user's bwrap sessions keep their own files (a synthesized
+    /etc; a root host's mount points). In the temporary directory, not the
+    state directory: a root host's bwrap runs as the guest's ids, which
+    must reach it, and root's home is closed to them."""
+    return Path(tempfile.gettempdir()) / f"sandboxns-bwrap-{os.getuid()}"
+
+
+def _make_private_directory() -> Path:
+    """A new private directory for a session, named after this process.
+    Those of processes that have died (killed before they could remove
+    theirs) are removed first."""
+    root = private_root()
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o711)
+    # A shared temporary directory: the name may have been taken by
+    # someone else first, or be a link.
+    info = root.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise SandboxError(
+            ErrorCode.SANDBOX_UNAVAILABLE, f"{root} is not a directory that only this user can write; remove it"
+        )
+    for entry in root.iterdir():
+        owner, _, _ = entry.name.partition("-")
+        if owner.isdigit() and not _process_exists(int(owner)):
+            shutil.rmtree(entry, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's: alive
+    return True
+
+
 def find_bwrap() -> str | None:
     return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
 
@@ -619,7 +658,7 @@ class BwrapDriver(HostWorkspaceIO):
         self._stopped = trio.Event()
         # The session's own files: a synthesized /etc and, for a root host,
         # where bwrap finds the workspace and mounts (see _RootHostNamespaces).
-        self._private = Path(tempfile.mkdtemp(prefix="sandboxns-bwrap-"))
+        self._private = _make_private_directory()
         self._etc = self._private / "etc"
         self._sources = (self.workspace, extra)
         # An image's root: its listing, and where bwrap finds it.
@@ -665,22 +704,15 @@ class BwrapDriver(HostWorkspaceIO):
 
     async def _probe(self) -> None:
         """Run the init's own program, which every guest has whatever its
-        root, and want it to succeed."""
+        root, and want it to succeed: any failure says this host cannot make
+        bwrap sandboxes (SANDBOX_UNAVAILABLE)."""
         output = _ProbeOutput()
-        status = None
         try:
-            process = await self.spawn([GUEST_INIT, "--version"], env={}, cwd=WORKSPACE, output=output)
+            status = await self._run_probe(output)
+        except SandboxError as exc:
+            raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, exc.message) from None
         except OSError as exc:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"cannot start bwrap's test command: {exc}") from None
-        try:
-            with trio.move_on_after(PROBE_TIMEOUT):
-                status = await process.wait()
-        finally:
-            with trio.CancelScope(shield=True):
-                if status is None:
-                    await process.send_signal(signal.SIGKILL)
-                    await process.wait()
-                await process.aclose()
         if status is None:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command took over {PROBE_TIMEOUT} s")
         if status.exit_code != 0:
@@ -688,6 +720,23 @@ class BwrapDriver(HostWorkspaceIO):
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({how}): {output.stderr_text()}"
             )
+
+    async def _run_probe(self, output: _ProbeOutput) -> ExitStatus | None:
+        """The probe's status, or None if it ran out of time (then it is
+        killed); its whole tree is gone either way."""
+        process = await self.spawn([GUEST_INIT, "--version"], env={}, cwd=WORKSPACE, output=output)
+        status = None
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT):
+                status = await process.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                if status is None:
+                    with contextlib.suppress(SandboxError):
+                        await process.send_signal(signal.SIGKILL)
+                        await process.wait()
+                await process.aclose()
+        return status
 
     def _release(self) -> None:
         """Give back what the session holds besides its processes."""

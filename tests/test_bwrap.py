@@ -4,10 +4,13 @@ reporting, and its one documented difference."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import trio
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError, _bwrap
@@ -64,3 +67,37 @@ async def test_bwrap_reports_statuses_above_128_as_signals(workspace, bwrap_inst
         assert (result.exit_code, result.signal) == (None, 2)
         result = await session.run("sh", ["-c", "exit 128"])
         assert (result.exit_code, result.signal) == (128, None)
+
+
+OWNER_SCRIPT = """
+import sys, trio, sandboxns
+
+async def main():
+    async with sandboxns.open_sandbox(sys.argv[1], driver="bwrap") as session:
+        print(session.driver._private, flush=True)
+        sys.stdin.read()  # until killed
+
+trio.run(main)
+"""
+
+
+def _files_of_a_killed_owner(workspace: Path) -> Path:
+    """Where a bwrap session's owner, killed by SIGKILL (so it removed
+    nothing), kept its files."""
+    with subprocess.Popen(
+        [sys.executable, "-c", OWNER_SCRIPT, str(workspace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as owner:
+        left = Path(owner.stdout.readline().decode().strip())
+        owner.kill()
+        owner.wait()
+    return left
+
+
+async def test_a_killed_owners_files_are_reclaimed_by_the_next_session(bwrap_installed, open_directory):
+    left = await trio.to_thread.run_sync(_files_of_a_killed_owner, open_directory)
+    assert left.parent == _bwrap.private_root() and (left / "etc" / "passwd").exists()
+    async with sandboxns.open_sandbox(open_directory, driver="bwrap") as session:
+        assert not left.exists()
+        own = session.driver._private
+        assert own.parent == _bwrap.private_root()
+    assert not own.exists()
