@@ -268,10 +268,7 @@ def delete_expired_sessions(state_directory: Path, *, dry_run: bool = False) -> 
                 if stopped is None or time.time() - stopped < retention:
                     continue
                 if not dry_run:
-                    image = WorkspaceImage(session_dir)
-                    if image.path.exists():
-                        image.unmount()  # an owner that crashed left it mounted
-                    _discard(session_dir)
+                    _delete_stopped(session_dir)
         except FileNotFoundError:  # no lease: never attached, being created right now
             continue
         except SandboxError as exc:
@@ -283,6 +280,36 @@ def delete_expired_sessions(state_directory: Path, *, dry_run: bool = False) -> 
             continue
         expired.append(session_id)
     return expired
+
+
+def delete_session(state_directory: Path, session_id: str) -> None:
+    """Delete a stopped session of ``state_directory``: its record,
+    workspace and lease. SANDBOX_BUSY while anyone holds it or any of its
+    processes remain; SANDBOX_NOT_FOUND if there is no such session."""
+    if not (isinstance(session_id, str) and SESSION_ID_PATTERN.fullmatch(session_id)) or session_id not in session_ids(
+        state_directory
+    ):
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id!r} in {state_directory}")
+    session_dir = state_directory / "sessions" / session_id
+    try:
+        with unowned(session_dir) as stopped:
+            if stopped is None:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_BUSY,
+                    f"session {session_id} is in use or its processes remain ('sandboxns lease list' says which)",
+                )
+            _delete_stopped(session_dir)
+    except FileNotFoundError:  # no lease yet: being created right now
+        raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {session_id} is being created") from None
+
+
+def _delete_stopped(session_dir: Path) -> None:
+    """Delete a session whose lease the caller holds and whose processes
+    are gone."""
+    image = WorkspaceImage(session_dir)
+    if image.path.exists():
+        image.unmount()  # an owner that crashed left it mounted
+    _discard(session_dir)
 
 
 def _storage_root(session_dir: Path, confinement: Confinement) -> Path:

@@ -21,6 +21,7 @@ from ._backend import (
     default_state_directory,
     delete_expired_sessions,
     delete_image,
+    delete_session,
     delete_snapshot,
     open_backend,
     stored_session_state,
@@ -338,6 +339,21 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     clear.add_argument("session", help="session id (from 'lease list')")
     clear.add_argument("--force", action="store_true", help="kill the session's remaining processes first")
+    session = commands.add_parser(
+        "session",
+        help="list or delete the sessions in a state directory",
+        description="Sessions are made through the API, specs and 'sandboxns mcp'; these are for operators.",
+    )
+    session_commands = session.add_subparsers(dest="session_command", required=True)
+    listing = session_commands.add_parser("list", help="show every session and who holds it")
+    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete = session_commands.add_parser(
+        "delete",
+        help="delete a stopped session and its workspace",
+        description="Refused (SANDBOX_BUSY) while anyone holds the session or any of its processes remain.",
+    )
+    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete.add_argument("session", help="session id (from 'session list')")
     gc = commands.add_parser(
         "gc",
         help="delete stopped sessions past their retention",
@@ -401,17 +417,39 @@ def _session_dir(state_dir: Path, session_id: str) -> Path:
     return state_dir / "sessions" / session_id
 
 
+def _existing_state_directory(path: Path) -> Path:
+    """An operator command's --state-dir, which must exist: a mistyped one
+    is not an empty backend."""
+    if not path.is_dir():
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no state directory {path}")
+    return path
+
+
+def _list_sessions(state_dir: Path) -> None:
+    for session_id in session_ids(_existing_state_directory(state_dir)):
+        status = lease_status(state_dir / "sessions" / session_id)
+        print(f"{session_id}  {status.describe()}")
+
+
 def _lease(args: argparse.Namespace) -> int:
     if args.lease_command == "list":
-        for session_id in session_ids(args.state_dir):
-            status = lease_status(args.state_dir / "sessions" / session_id)
-            print(f"{session_id}  {status.describe()}")
+        _list_sessions(args.state_dir)
         return 0
-    print(trio.run(clear_lease, _session_dir(args.state_dir, args.session), args.force))
+    print(trio.run(clear_lease, _session_dir(_existing_state_directory(args.state_dir), args.session), args.force))
+    return 0
+
+
+def _session(args: argparse.Namespace) -> int:
+    if args.session_command == "list":
+        _list_sessions(args.state_dir)
+        return 0
+    delete_session(_existing_state_directory(args.state_dir), args.session)
+    print(f"{args.session}  deleted")
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
+    _existing_state_directory(args.state_dir)
     outcome = "expired" if args.dry_run else "deleted"
     for session_id in delete_expired_sessions(args.state_dir, dry_run=args.dry_run):
         print(f"{session_id}  {outcome}")
@@ -419,6 +457,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _snapshot(args: argparse.Namespace) -> int:
+    _existing_state_directory(args.state_dir)
     if args.snapshot_command == "delete":
         delete_snapshot(args.state_dir, snapshot_id_of(args.snapshot))
         print(f"{args.snapshot}  deleted")
@@ -464,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _lease(args)
         if args.subcommand == "gc":
             return _gc(args)
+        if args.subcommand == "session":
+            return _session(args)
         if args.subcommand == "snapshot":
             return _snapshot(args)
         if args.subcommand == "image":

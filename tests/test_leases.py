@@ -211,3 +211,35 @@ async def test_gc_spares_a_session_another_process_holds_and_collects_it_once_th
     gc = sandboxns_cli("gc", "--state-dir", str(state_dir))
     assert (gc.returncode, gc.stdout) == (0, f"{session_id}  deleted\n"), gc.stderr
     assert os.listdir(state_dir / "sessions") == [] and host_processes_with(marker) == []
+
+
+async def test_session_delete_refuses_a_held_session_and_deletes_a_stopped_one(driver_name, state_dir):
+    marker = sleep_marker()
+    owner = await Owner.start(driver_name, state_dir, "create", marker)
+    session_id = json.loads(await owner.line())["session"]
+    assert await owner.line() == "running"
+    session_dir = state_dir / "sessions" / session_id
+    listing = sandboxns_cli("session", "list", "--state-dir", str(state_dir))
+    assert listing.stdout == f"{session_id}  held by process {owner.process.pid}\n", listing.stderr
+    held = sandboxns_cli("session", "delete", "--state-dir", str(state_dir), session_id)
+    assert held.returncode == 125 and "in use" in held.stderr, held
+    assert session_dir.is_dir() and host_processes_with(marker)
+
+    owner.process.kill()
+    await owner.process.wait()
+    await torn_down(session_dir)
+    deleted = sandboxns_cli("session", "delete", "--state-dir", str(state_dir), session_id)
+    assert (deleted.returncode, deleted.stdout) == (0, f"{session_id}  deleted\n"), deleted.stderr
+    assert os.listdir(state_dir / "sessions") == [] and host_processes_with(marker) == []
+    again = sandboxns_cli("session", "delete", "--state-dir", str(state_dir), session_id)
+    assert again.returncode == 127 and "no session" in again.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [("lease", "list"), ("session", "list"), ("gc",), ("snapshot", "list"), ("session", "delete", "x")]
+)
+def test_operator_commands_refuse_a_state_directory_that_does_not_exist(tmp_path, command):
+    missing = tmp_path / "nonexistent"
+    done = sandboxns_cli(*command, "--state-dir", str(missing))
+    assert done.returncode == 127 and f"no state directory {missing}" in done.stderr, done
+    assert not missing.exists()
