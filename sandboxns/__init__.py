@@ -24,8 +24,9 @@ from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox
 from ._paths import normalize_path
+from ._pump import OutputCollector
 from ._rootfs_images import Image
-from ._session import RunResult, Session, create_sandbox_session
+from ._session import RunResult, Session
 from ._snapshots import Snapshot
 from ._spec import InstallResult, SandboxSpec, SpecLimits, SpecProblem, SpecSandbox
 from ._templates import Template
@@ -48,6 +49,7 @@ __all__ = [
     "Mount",
     "NativeDriver",
     "NetworkPolicy",
+    "OutputCollector",
     "ResourceLimits",
     "RunResult",
     "SandboxDriver",
@@ -66,7 +68,6 @@ __all__ = [
     "adapters",
     "blocking",
     "create_sandbox_coding_tools",
-    "create_sandbox_session",
     "normalize_path",
     "open_backend",
     "open_sandbox",

@@ -69,7 +69,7 @@ from ._lease import Lease, is_locked, last_written, session_ids, unowned
 from ._network import DENY_ALL, GATEWAY_ENVIRONMENT, NetworkPolicy, check_network_policy
 from ._registry import driver_class
 from ._rootfs_images import Image, ImageStore, check_digest, session_environment
-from ._session import DEFAULT_ENV, Session, check_seconds, create_sandbox_session
+from ._session import DEFAULT_ENV, Session, check_seconds
 from ._snapshots import (
     MAX_STACK_DEPTH,
     SNAPSHOT_ID_PATTERN,
@@ -1202,7 +1202,7 @@ class Backend:
         handle._driver = driver
         handle._lease = lease
         handle._network = network
-        handle.session = create_sandbox_session(driver, self._slots, network)
+        handle.session = Session(driver, self._slots, network)
         if image is not None:
             handle.session.environment = session_environment(image, DEFAULT_ENV, GATEWAY_ENVIRONMENT)
         self._live.add(handle)

@@ -70,7 +70,7 @@ from ._hostids import guest_host_ids
 from ._lease import Lease, ProcessId
 from ._network import GATEWAY_SOCKET_NAME, GUEST_GATEWAY_DIR, GUEST_SOCKET, PROXY_PORT, NetworkPolicy
 from ._paths import WORKSPACE
-from ._pump import CommandPipes, OutputSink
+from ._pump import CommandPipes, OutputCollector, OutputSink
 
 RUNTIME_DIRS = ("usr", "bin", "sbin", "lib", "lib64")
 HOST_ETC = ("/etc/alternatives", "/etc/ssl/certs", "/etc/ld.so.cache")
@@ -591,23 +591,6 @@ def _open_init(pid: int, pid_namespace: object) -> int | None:
     return pidfd
 
 
-class _ProbeOutput:
-    """The start of a probe's stderr, to say why it failed."""
-
-    LIMIT = 4096
-
-    def __init__(self) -> None:
-        self.stderr = bytearray()
-
-    def feed(self, name: str, chunk: bytes) -> bool:
-        if name == "stderr":
-            self.stderr += chunk[: self.LIMIT - len(self.stderr)]
-        return False
-
-    def stderr_text(self) -> str:
-        return self.stderr.decode(errors="replace").strip()
-
-
 class BwrapDriver(HostWorkspaceIO):
     """A sandbox session made of bwrap invocations, one per command."""
 
@@ -706,7 +689,7 @@ class BwrapDriver(HostWorkspaceIO):
         """Run the init's own program, which every guest has whatever its
         root, and want it to succeed: any failure says this host cannot make
         bwrap sandboxes (SANDBOX_UNAVAILABLE)."""
-        output = _ProbeOutput()
+        output = OutputCollector(limit=4096)  # what it says, if it fails
         try:
             status = await self._run_probe(output)
         except SandboxError as exc:
@@ -718,10 +701,11 @@ class BwrapDriver(HostWorkspaceIO):
         if status.exit_code != 0:
             how = f"exit {status.exit_code}" if status.signal is None else f"signal {status.signal}"
             raise SandboxError(
-                ErrorCode.SANDBOX_UNAVAILABLE, f"bwrap's test command failed ({how}): {output.stderr_text()}"
+                ErrorCode.SANDBOX_UNAVAILABLE,
+                f"bwrap's test command failed ({how}): {output.output('stderr').decode(errors='replace').strip()}",
             )
 
-    async def _run_probe(self, output: _ProbeOutput) -> ExitStatus | None:
+    async def _run_probe(self, output: OutputCollector) -> ExitStatus | None:
         """The probe's status, or None if it ran out of time (then it is
         killed); its whole tree is gone either way."""
         process = await self.spawn([GUEST_INIT, "--version"], env={}, cwd=WORKSPACE, output=output)
@@ -783,7 +767,7 @@ class BwrapDriver(HostWorkspaceIO):
     async def set_network(self, policy: NetworkPolicy, gateway: GatewayEndpoint | None) -> None:
         """Every command is its own bwrap, so the next one simply gets the
         new plan."""
-        self._check_usable()
+        self.check_usable()
         self._configure(policy, gateway)
 
     def _track(self) -> None:
@@ -806,7 +790,7 @@ class BwrapDriver(HostWorkspaceIO):
         stdin: int | bytes | None = None,
         limits: ResourceLimits | None = None,
     ) -> BwrapProcess:
-        self._check_usable()
+        self.check_usable()
         rlimits = self._default_rlimits if limits is None else limits.init_argument()
         arguments = [*self._plan, "--chdir", cwd]
         for key, value in env.items():

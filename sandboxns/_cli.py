@@ -11,10 +11,10 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import outcome
 import trio
 
 from ._backend import (
@@ -32,7 +32,7 @@ from ._lease import clear_lease, lease_status, session_ids
 from ._open import open_sandbox
 from ._registry import DRIVERS
 from ._rootfs_images import ImageStore, check_digest
-from ._session import DEFAULT_TIMEOUT, Session, check_command
+from ._session import DEFAULT_TIMEOUT, Session
 from ._snapshots import SnapshotStore, snapshot_id_of
 from ._spec import SandboxSpec
 
@@ -49,13 +49,12 @@ EXIT_STATUSES_DETAIL = f"""exit statuses:
   {EXIT_SANDBOX_ERROR}        the sandbox could not be set up or failed (sandboxns says why on stderr)
   {EXIT_CANNOT_EXECUTE}        CMD cannot be executed (not a program, no permission), or the request was
              refused (a bad option, spec or environment variable)
-  {EXIT_NOT_FOUND}        CMD does not exist in the sandbox (or --workspace does not exist)"""
+  {EXIT_NOT_FOUND}        CMD does not exist in the sandbox, or something named on the command line
+             (a workspace, image, spec file or session) does not"""
 
 
 class _Forwarder:
     """Copies a command's output to our own stdout/stderr as it arrives."""
-
-    truncated = False
 
     def __init__(self) -> None:
         self._targets = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
@@ -65,9 +64,6 @@ class _Forwarder:
         target.write(chunk)
         target.flush()
         return False
-
-    def output(self, name: str) -> bytes:
-        return b""
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
@@ -98,13 +94,14 @@ async def _run_forwarding(session: Session, args: argparse.Namespace, command: l
     exit status."""
     env = {**session.environment, **_parse_env(args.env)}
     timeout = session.timeout if args.timeout is None else args.timeout
-    argv, env, cwd, timeout = check_command(command[0], command[1:], env, args.cwd, timeout)
     # Our input is copied in as it arrives, never handed over: the guest
     # could reopen a file given as our stdin for writing through
     # /proc/self/fd/0. A terminal gives no input (we are not a terminal
     # emulator, and reading it would take what the user types next).
     stdin_fd = None if sys.stdin is None or os.isatty(0) else 0
-    result = await session._execute(argv, env=env, cwd=cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd)
+    result = await session.execute(
+        command[0], command[1:], env=env, cwd=args.cwd, timeout=timeout, output=_Forwarder(), stdin=stdin_fd
+    )
     if result.timed_out:
         print(f"sandboxns: command timed out after {timeout:g}s; its processes were killed", file=sys.stderr)
         return EXIT_TIMED_OUT
@@ -116,27 +113,36 @@ async def _run_forwarding(session: Session, args: argparse.Namespace, command: l
 async def _until_signalled(main, args: argparse.Namespace) -> int:
     """Run ``main(args)``; SIGINT, SIGTERM and SIGHUP end it alike: the
     command is terminated (SIGTERM, then SIGKILL after a grace), what the
-    run made is removed, and we exit 128+N like a shell's child."""
-    received = []
-    result = None
+    run made is removed, and we exit 128+N like a shell's child. Signals
+    that come during that cleanup are taken and ignored: it always
+    finishes (SIGKILL is the way to cut it short)."""
+    if threading.current_thread() is not threading.main_thread():
+        return await main(args)  # only the main thread can receive signals
+    received: list[int] = []
+    status = error = None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
+            main_scope = trio.CancelScope()
 
             async def run_main() -> None:
-                nonlocal result
-                # Captured, so main's own error leaves here as itself
-                # rather than in the nursery's exception group.
-                result = await outcome.acapture(main, args)
+                nonlocal status, error
+                with main_scope:
+                    try:
+                        status = await main(args)
+                    except Exception as exc:  # noqa: BLE001 (raised below as itself, not in the nursery's group)
+                        error = exc
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(run_main)
             async for signum in signals:
-                received.append(signum)
-                nursery.cancel_scope.cancel()
-                break
+                if not received:
+                    received.append(signum)
+                    main_scope.cancel()
     if received:
         return 128 + received[0]
-    return result.unwrap()
+    if error is not None:
+        raise error
+    return status
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -214,14 +220,16 @@ async def _run_spec(args: argparse.Namespace, command: list[str]) -> int:
     spec = _load_valid_spec(args.spec)
     state = args.state_dir or default_state_directory()
     async with spec.build(state_directory=state) as sandbox:
-        status = await _run_forwarding(sandbox.session, args, command)
-        if not sandbox.handle.destroy_on_close:
-            print(
-                f"sandboxns: session {sandbox.handle.session_id} kept (its spec does not delete it on close); "
-                f"run more in it with: sandboxns exec --state-dir {state} --session {sandbox.handle.session_id} -- CMD",
-                file=sys.stderr,
-            )
-    return status
+        try:
+            return await _run_forwarding(sandbox.session, args, command)
+        finally:  # interrupted too: the session stays, so say where
+            if not sandbox.handle.destroy_on_close:
+                print(
+                    f"sandboxns: session {sandbox.handle.session_id} kept (its spec does not delete it on close); "
+                    f"run more in it with: sandboxns exec --state-dir {state} --session "
+                    f"{sandbox.handle.session_id} -- CMD",
+                    file=sys.stderr,
+                )
 
 
 async def _exec(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from . import _coding_files as files
 from ._errors import ErrorCode, SandboxError
 from ._files import HostWorkspaceIO
 from ._paths import WORKSPACE
+from ._pump import OutputCollector
 from ._session import RunResult, Session, check_command
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
@@ -183,6 +184,7 @@ DEFAULT_HINTS = {
     EDIT_AMBIGUOUS: "include more surrounding lines in old_text, or set replace_all",
     EDIT_STALE: "read the file again",
     INSUFFICIENT: "the sandbox no longer gives this tool what it needs; report it to the user",
+    ErrorCode.SANDBOX_STATE_MISMATCH.value: "the sandbox's stored state is not usable; report it to the user",
 }
 
 
@@ -239,29 +241,6 @@ class ArtifactStore:
             raise ToolRefusal(
                 ErrorCode.SANDBOX_NOT_FOUND, f"no output {reference!r}", "only references from run_command results work"
             ) from None
-
-
-class _OutputCapture:
-    """Keeps a command's output up to the artifact bound; past it, asks for
-    the command to be killed."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.kept = 0
-        self.truncated = False
-        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-
-    def feed(self, name: str, chunk: bytes) -> bool:
-        room = self.limit - self.kept
-        if len(chunk) > room:
-            self.truncated = True
-            chunk = chunk[:room]
-        self.chunks[name].append(chunk)
-        self.kept += len(chunk)
-        return self.truncated
-
-    def output(self, name: str) -> bytes:
-        return b"".join(self.chunks[name])
 
 
 def preview(data: bytes, budget: int) -> tuple[str, int, int]:
@@ -411,7 +390,7 @@ class WorkspaceTarget:
         refusal once it is closed (or taken over)."""
         if not getattr(self.handle, "live", True):
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the sandbox session is stopped")
-        self.session.driver._check_usable()
+        self.session.check_usable()
 
     async def environment(self) -> dict[str, str]:
         return dict(self.session.environment)
@@ -438,10 +417,11 @@ class WorkspaceTarget:
         self.check_live()
         if self.session.network_generation != command.network_generation:
             raise SandboxError(INSUFFICIENT_CODE, "the network policy changed while the command was prepared")
-        capture = _OutputCapture(command.capture_limit)
+        capture = OutputCollector(command.capture_limit, stop_when_full=True)
         try:
-            result = await self.session._execute(
-                command.argv,
+            result = await self.session.execute(
+                command.argv[0],
+                command.argv[1:],
                 env=command.env,
                 cwd=command.cwd,
                 timeout=command.timeout,
@@ -1023,7 +1003,7 @@ class _Implementation:
         await self.authorize(ArtifactOperation(reference, "artifact-read"))
         data = getattr(artifact, stream)
         window = data[offset : offset + files.utf8_window(max_bytes)]
-        start, end = files._utf8_slice(window, max_bytes)
+        start, end = files.utf8_slice(window, max_bytes)
         next_offset = offset + end if offset + end < len(data) else None
         return {"reference": reference, "stream": stream, "offset": offset + start,
                 "text": window[start:end].decode("utf-8", "replace"), "size": len(data),

@@ -86,13 +86,13 @@ def _continues(byte: int) -> bool:
 
 
 def utf8_window(max_bytes: int) -> int:
-    """How many bytes to cut ``max_bytes`` from with _utf8_slice: up to 3
+    """How many bytes to cut ``max_bytes`` from with utf8_slice: up to 3
     skipped at the start, a whole character (up to 4 bytes) even when fewer
     are asked for, and one more to see whether the last character goes on."""
     return max(max_bytes, 4) + 4
 
 
-def _utf8_slice(window: bytes, max_bytes: int) -> tuple[int, int]:
+def utf8_slice(window: bytes, max_bytes: int) -> tuple[int, int]:
     """Start and end of at most ``max_bytes`` of ``window`` that neither
     begin nor end inside a UTF-8 character (for text that is UTF-8; other
     bytes are cut where they fall). ``window`` holds utf8_window(max_bytes)
@@ -130,7 +130,7 @@ def read_slice(root: int, guest_path: str, offset: int, max_bytes: int, hash_lim
         window = os.pread(fd, utf8_window(max_bytes), offset) if offset < size else b""
     finally:
         os.close(fd)
-    start, end = _utf8_slice(window, max_bytes)
+    start, end = utf8_slice(window, max_bytes)
     next_offset = offset + end if offset + end < size else None
     return ReadResult(window[start:end], size, digest.hexdigest(), offset + start, next_offset)
 

@@ -36,7 +36,6 @@ from ._errors import ErrorCode, SandboxError
 from ._lease import Lease
 from ._paths import WORKSPACE
 
-# Where the workspace appears inside every sandbox; guest paths start here.
 # How deep remove(recursive=True) descends. It holds one open directory per
 # level, so a guest's 10,000-deep tree must not cost the host as many fds;
 # deeper trees go with the session, or with an `rm -rf` run in the sandbox.
@@ -421,7 +420,7 @@ class HostWorkspaceIO:
     # belongs to the guest's host user there.
     _fs_ids: tuple[int, int] | None = None
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         """Refuse once the session is stopped, or once an operator has taken
         its lease away (``sandboxns lease clear --force``)."""
         if self._closed:
@@ -437,7 +436,7 @@ class HostWorkspaceIO:
     _file_ops_done: trio.Event | None = None
 
     async def _file_op(self, operation, *args):
-        self._check_usable()
+        self.check_usable()
         self._file_ops += 1
         try:
             if self._fs_ids is not None:

@@ -309,13 +309,13 @@ class NativeDriver(HostWorkspaceIO):
         namespace or gateway starts a new holder (about as costly as
         a session start); a new allow-list for the same gateway costs
         nothing here."""
-        self._check_usable()
+        self.check_usable()
         if policy.shares_host_network == self.network.shares_host_network and gateway is self._gateway:
             self.network = policy
             return
         # aclose() waits for this: both would wait on the holder's pidfd.
         async with self._holder_lock:
-            self._check_usable()
+            self.check_usable()
             await self._stop_holder()
             try:
                 await self._launch(policy, gateway)
@@ -333,12 +333,12 @@ class NativeDriver(HostWorkspaceIO):
         csrc/overlay.c). Without ``names`` (a stack replaced whole), or with
         a holder that cannot (a kernel before 6.13, a mount inside
         /workspace), a new holder starts over the layers instead."""
-        self._check_usable()
+        self.check_usable()
         if self._overlay_work is None:
             raise invalid_argument("the session's workspace is no overlay")
         with trio.CancelScope(shield=True):  # a session without its holder is no session
             async with self._holder_lock:
-                self._check_usable()
+                self.check_usable()
                 self._overlay_lowers = [Path(lower) for lower in layers]
                 if names is not None and self._restackable and await self._restack_in_place(_ffi.encode_restack(names)):
                     return
@@ -357,10 +357,10 @@ class NativeDriver(HostWorkspaceIO):
         directories ``names[0:2]``, beside the current ones; a holder
         started later (a change of network namespace) stands on them too.
         False if the holder cannot (nothing changed)."""
-        self._check_usable()
+        self.check_usable()
         with trio.CancelScope(shield=True):
             async with self._holder_lock:
-                self._check_usable()
+                self.check_usable()
                 if not self._restackable or not await self._restack_in_place(_ffi.encode_restack(names, True)):
                     return False
                 self.workspace, self._overlay_work = (self.workspace.parent / name for name in names[:2])
@@ -420,10 +420,10 @@ class NativeDriver(HostWorkspaceIO):
         self._release()
         self._stopped.set()
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         if self._holder_died:
             raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the session is stopped: its holder died")
-        super()._check_usable()
+        super().check_usable()
 
     async def _holder_gone(self, when: str) -> SandboxError:
         """The error for a request or command the holder went away under.
@@ -491,7 +491,7 @@ class NativeDriver(HostWorkspaceIO):
         stdin: int | bytes | None = None,
         limits: ResourceLimits | None = None,
     ) -> NativeProcess:
-        self._check_usable()
+        self.check_usable()
         try:
             request = _ffi.encode_request(cwd, argv, env, self._default_rlimits if limits is None else limits.slots())
         except ValueError as exc:

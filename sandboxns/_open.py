@@ -12,7 +12,7 @@ from ._confinement import Confinement
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._network import check_network_policy
 from ._registry import driver_class
-from ._session import Session, create_sandbox_session
+from ._session import Session
 
 
 @asynccontextmanager
@@ -45,7 +45,7 @@ async def open_sandbox(
                 workspace, network=policy, uid=uid, gid=gid, gateway=gateway, confinement=confinement
             )
             try:
-                yield create_sandbox_session(sandbox_driver, network=network_of_session)
+                yield Session(sandbox_driver, network=network_of_session)
             finally:
                 await sandbox_driver.aclose()
         finally:

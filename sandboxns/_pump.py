@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -41,6 +42,41 @@ class OutputSink(Protocol):
         Returning True asks for the command to be killed: the sink has had
         enough."""
         ...
+
+
+@dataclass
+class OutputCollector:
+    """An output sink that keeps at most ``limit`` bytes of stdout and
+    stderr together. Past that it drops the rest (so a command never blocks
+    on a full pipe however much it writes), or with ``stop_when_full`` asks
+    for the command to be killed. ``run`` uses one; pass one to
+    ``Session.execute`` to have the result carry the output."""
+
+    limit: int
+    stop_when_full: bool = False
+    kept: int = 0
+    truncated: bool = False
+    chunks: dict[str, list[bytes]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
+
+    def feed(self, name: str, chunk: bytes) -> bool:
+        room = self.limit - self.kept
+        if len(chunk) > room:
+            self.truncated = True
+            chunk = chunk[:room]
+        if chunk:
+            self.chunks[name].append(chunk)
+            self.kept += len(chunk)
+        return self.truncated and self.stop_when_full
+
+    def output(self, name: str) -> bytes:
+        """What was kept of the named stream."""
+        return b"".join(self.chunks[name])
+
+
+def kept(output: OutputSink, name: str) -> bytes:
+    """What a sink kept of a stream, if it keeps anything."""
+    collected = getattr(output, "output", None)
+    return collected(name) if callable(collected) else b""
 
 
 class _Input:

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -25,7 +25,7 @@ from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry
 from ._network import PROXY_ENVIRONMENT, PROXY_TRUST_ENVIRONMENT, NetworkPolicy, check_network_policy
 from ._paths import WORKSPACE, normalize_path
-from ._pump import OutputSink
+from ._pump import OutputCollector, OutputSink, kept
 
 if TYPE_CHECKING:
     from ._gateway import SessionNetwork
@@ -121,41 +121,6 @@ class RunResult:
         return self.stderr_bytes.decode("utf-8", "replace")
 
 
-class CollectedOutput(OutputSink, Protocol):
-    """An output sink that a :class:`RunResult` is made from."""
-
-    truncated: bool
-
-    def output(self, name: str) -> bytes:
-        """What was kept of the named stream."""
-        ...
-
-
-@dataclass
-class _OutputCollector:
-    """Keeps at most ``limit`` bytes of stdout and stderr together and
-    discards the rest, so a command never blocks on a full pipe however much
-    it writes."""
-
-    limit: int
-    kept: int = 0
-    truncated: bool = False
-    chunks: dict[str, list[bytes]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
-
-    def feed(self, name: str, chunk: bytes) -> bool:
-        room = self.limit - self.kept
-        if len(chunk) > room:
-            self.truncated = True
-            chunk = chunk[:room]
-        if chunk:
-            self.chunks[name].append(chunk)
-            self.kept += len(chunk)
-        return False
-
-    def output(self, name: str) -> bytes:
-        return b"".join(self.chunks[name])
-
-
 async def _terminate(process: SandboxProcess, grace: float) -> None:
     """SIGTERM, a grace period, then SIGKILL; returns once the tree is gone."""
     await process.send_signal(signal.SIGTERM)
@@ -243,6 +208,15 @@ class Session:
     def touch(self) -> None:
         """Note activity now (for idle timeouts)."""
         self.last_activity = trio.current_time()
+
+    def check_usable(self) -> None:
+        """Raise SANDBOX_STOPPED if the session can no longer run commands
+        or touch its files (stopped, its holder gone, or its lease taken
+        away), without trying anything. A driver that does not say (one
+        of your own without ``check_usable``) passes."""
+        check = getattr(self.driver, "check_usable", None)
+        if callable(check):
+            check()
 
     @property
     def running(self) -> int:
@@ -387,6 +361,47 @@ class Session:
         :class:`~sandboxns.ResourceLimits`). Cancelling the call kills the
         tree before the cancellation propagates.
         """
+        if max_output_bytes is None:
+            max_output_bytes = self.max_output_bytes
+        if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
+            raise invalid_argument(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
+        if isinstance(stdin, int) and not isinstance(stdin, bool):
+            raise invalid_argument("stdin must be bytes, str or None (execute() also takes a host fd)")
+        return await self.execute(
+            executable,
+            args,
+            output=OutputCollector(max_output_bytes),
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            timeout=timeout,
+            resource_limits=resource_limits,
+        )
+
+    async def execute(
+        self,
+        executable: str,
+        args: Sequence[str] = (),
+        *,
+        output: OutputSink,
+        stdin: bytes | str | int | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        resource_limits: ResourceLimits | None = None,
+        cancel_grace: float = CANCEL_GRACE,
+    ) -> RunResult:
+        """Run one command as :meth:`run` does, streaming its output as it
+        arrives: ``output.feed(name, chunk)`` for each chunk of "stdout" or
+        "stderr", in order; a ``feed`` that returns True asks for the
+        command's tree to be killed. The result's ``stdout``, ``stderr`` and
+        ``truncated`` are the sink's when it is an :class:`OutputCollector`
+        (or has its ``output(name)`` and ``truncated``), else empty.
+        ``stdin`` may also be a host fd, whose input is copied to the
+        command as it arrives (the fd itself never reaches the guest). On
+        cancellation the command gets ``cancel_grace`` seconds between
+        SIGTERM and SIGKILL.
+        """
         if self._admission is not None:
             self._admission.check()  # refusals are the common case under load: make them cheap
         argv, env, guest_cwd, timeout = check_command(
@@ -396,28 +411,30 @@ class Session:
             cwd,
             self.timeout if timeout is None else timeout,
         )
-        if max_output_bytes is None:
-            max_output_bytes = self.max_output_bytes
-        if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
-            raise invalid_argument(f"max_output_bytes must be a non-negative integer, not {max_output_bytes!r}")
+        if not callable(getattr(output, "feed", None)):
+            raise invalid_argument(f"output must have a feed(name, chunk) method, not {output!r}")
         if isinstance(stdin, str):
             stdin = stdin.encode("utf-8")
         elif isinstance(stdin, (bytearray, memoryview)):
             stdin = bytes(stdin)
+        elif isinstance(stdin, int) and not isinstance(stdin, bool):
+            if stdin < 0:
+                raise invalid_argument(f"stdin as a host fd must be >= 0, not {stdin}")
         elif stdin is not None and not isinstance(stdin, bytes):
-            raise invalid_argument(f"stdin must be bytes, str or None, not {type(stdin).__name__}")
+            raise invalid_argument(f"stdin must be bytes, str, a host fd or None, not {type(stdin).__name__}")
         if resource_limits is not None and not isinstance(resource_limits, ResourceLimits):
             raise invalid_argument(f"resource_limits must be a sandboxns.ResourceLimits, not {resource_limits!r}")
-
+        if (
+            isinstance(cancel_grace, bool)
+            or not isinstance(cancel_grace, (int, float))
+            or not math.isfinite(cancel_grace)
+            or cancel_grace < 0
+        ):
+            raise invalid_argument(f"cancel_grace must be a non-negative number of seconds, not {cancel_grace!r}")
         return await self._execute(
-            argv,
-            env=env,
-            cwd=guest_cwd,
-            stdin=stdin,
-            timeout=timeout,
-            output=_OutputCollector(max_output_bytes),
-            limits=resource_limits,
-        )
+            argv, env=env, cwd=guest_cwd, stdin=stdin, timeout=timeout, output=output,
+            cancel_grace=cancel_grace, limits=resource_limits,
+        )  # fmt: skip
 
     async def _execute(
         self,
@@ -426,17 +443,12 @@ class Session:
         env: Mapping[str, str],
         cwd: str,
         timeout: float,
-        output: CollectedOutput,
-        stdin: int | bytes | None = None,
-        cancel_grace: float = CANCEL_GRACE,
-        limits: ResourceLimits | None = None,
+        output: OutputSink,
+        stdin: int | bytes | None,
+        cancel_grace: float,
+        limits: ResourceLimits | None,
     ) -> RunResult:
-        """Run checked arguments to completion, feeding the output to
-        ``output`` (which may ask for the command to be killed). ``stdin``
-        is data to feed, or a host fd to copy the input from as it arrives
-        (the CLI's own input; the fd itself never reaches the guest).
-        On cancellation the command gets ``cancel_grace`` seconds between
-        SIGTERM and SIGKILL."""
+        """Run checked arguments to completion (see :meth:`execute`)."""
         self._check_not_exclusive()
         policy = self.driver.network
         if policy.needs_gateway:
@@ -463,7 +475,7 @@ class Session:
         env: Mapping[str, str],
         cwd: str,
         timeout: float,
-        output: CollectedOutput,
+        output: OutputSink,
         stdin: int | bytes | None,
         cancel_grace: float,
         limits: ResourceLimits | None,
@@ -503,16 +515,9 @@ class Session:
         return RunResult(
             exit_code=status.exit_code,
             signal=status.signal,
-            stdout_bytes=output.output("stdout"),
-            stderr_bytes=output.output("stderr"),
+            stdout_bytes=kept(output, "stdout"),
+            stderr_bytes=kept(output, "stderr"),
             timed_out=timed_out,
-            truncated=output.truncated,
+            truncated=bool(getattr(output, "truncated", False)),
             duration=time.monotonic() - started,
         )
-
-
-def create_sandbox_session(
-    driver: SandboxDriver, admission: Admission | None = None, network: SessionNetwork | None = None
-) -> Session:
-    """Wrap a driver in a :class:`Session`."""
-    return Session(driver, admission, network)

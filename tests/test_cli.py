@@ -267,3 +267,20 @@ def test_a_signalled_run_ends_its_command_and_leaves_nothing(tmp_path, signum):
         assert run.wait(timeout=30) == 128 + signum
     assert host_processes_with(marker) == []
     assert not (state / "sandboxns" / "tmp").exists()  # no throwaway workspace, nor their directory
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path):
+    state = tmp_path / "state"
+    script = "trap 'echo terminating' TERM; echo ready; while :; do sleep 0.1; done"
+    with subprocess.Popen(
+        [sys.executable, "-P", "-m", "sandboxns", "run", "--", "/bin/sh", "-c", script],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "XDG_STATE_HOME": str(state)},
+    ) as run:
+        assert run.stdout.readline() == b"ready\n"
+        run.send_signal(signal.SIGTERM)
+        assert run.stdout.readline() == b"terminating\n"  # the command got SIGTERM: cleanup has begun
+        run.send_signal(signal.SIGHUP)
+        assert run.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not (state / "sandboxns" / "tmp").exists()

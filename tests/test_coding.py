@@ -475,7 +475,7 @@ async def test_a_driver_without_a_workspace_binding_is_refused(session):
         network = session.driver.network
 
     with pytest.raises(SandboxError) as error:
-        await create_sandbox_coding_tools(sandboxns.create_sandbox_session(Remote()), authorize=lambda op: True)
+        await create_sandbox_coding_tools(sandboxns.Session(Remote()), authorize=lambda op: True)
     assert error.value.code == ErrorCode.SANDBOX_UNAVAILABLE
 
 
@@ -614,3 +614,8 @@ async def test_a_read_starting_or_ending_inside_a_character_replaces_nothing(too
     reference = (await call(tools, "run_command", executable="shell", args=["-c", script]))["artifact"]["reference"]
     page = await call(tools, "read_output", reference=reference, offset=1, max_bytes=1)
     assert (page["offset"], page["text"], page["next_offset"]) == (4, "😀", 8)
+
+
+def test_every_code_a_refusal_can_carry_has_a_hint():
+    codes = {code.value for code in ErrorCode} | {_coding.EDIT_NO_MATCH, _coding.EDIT_AMBIGUOUS, _coding.EDIT_STALE}
+    assert codes <= set(_coding.DEFAULT_HINTS)

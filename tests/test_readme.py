@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import sandboxns
+
 pytestmark = pytest.mark.smoke
 
 README = Path(__file__).parent.parent / "README.md"
@@ -28,3 +30,10 @@ def test_readme_example_runs(index, tmp_path):
     assert result.returncode == 0, result.stderr
     if "hello.txt" in EXAMPLES[index]:
         assert result.stdout == "hello\nhello\n"
+
+
+@pytest.mark.skipif(not README.exists(), reason="README.md is not next to the tests")
+def test_readme_places_every_public_name_in_a_tier():
+    text = README.read_text()
+    tiers = text[text.index("The public names, by how often") : text.index("## Backends")]
+    assert set(sandboxns.__all__) <= set(re.findall(r"`([A-Za-z_]+)`", tiers))

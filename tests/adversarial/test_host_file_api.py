@@ -569,7 +569,7 @@ def test_the_cli_removes_a_throwaway_workspace_nested_past_pythons_recursion(dri
             capture_output=True, timeout=60, check=False,
         )  # fmt: skip
         assert (done.returncode, done.stderr) == (0, b"")
-        assert os.listdir(scratch) == []
+        assert not scratch.exists()  # the workspace, and the directory of them, removed
     finally:  # pytest's own clean-up cannot remove a tree this deep
         subprocess.run(["rm", "-rf", "--", str(scratch)], check=False)
 
