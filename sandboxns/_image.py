@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from . import _ffi
@@ -111,11 +112,34 @@ def _bound_loop_devices(image: str) -> list[str]:
         try:
             with open(backing) as file:
                 bound = file.read().rstrip("\n")
-        except FileNotFoundError:  # unbound meanwhile
+        except OSError:  # unbound meanwhile: gone (ENOENT), or being cleared (ENODEV, ENXIO)
             continue
         if bound == image:
             devices.append("/dev/" + backing.split("/")[3])
     return devices
+
+
+# How long a loop device may take to let go of an image once its mount is
+# gone. The kernel frees an autoclear device from a work queue after its
+# last user closed it: that user may be the file system itself, alive until
+# the mount namespaces that held clones of the workspace (a stopped
+# session's holder's) are torn down, or whoever opened the device meanwhile
+# (udev's probe after the change event). Usually a few milliseconds; a
+# detached mount that a host process keeps busy, or a live fork's clone,
+# holds it for as long as they like. A mount waits this long for a device
+# to let go before it refuses.
+RELEASE_TIMEOUT = 1.0
+
+
+def _released(image: str) -> list[str]:
+    """The loop devices still bound to ``image`` after waiting up to
+    RELEASE_TIMEOUT for them to let go: usually none."""
+    deadline = time.monotonic() + RELEASE_TIMEOUT
+    delay = 0.0005
+    while (bound := _bound_loop_devices(image)) and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return bound
 
 
 class WorkspaceImage:
@@ -189,6 +213,8 @@ class WorkspaceImage:
                 f"{mount_point} has {', '.join(mounted)} mounted on it, not the session's image {image}",
             )
         if bound:
+            bound = _released(image)  # a device just unmounted may not have let go yet
+        if bound:
             raise SandboxError(
                 ErrorCode.SANDBOX_BUSY,
                 f"the workspace image {image} is still attached to {', '.join(bound)}, unmounted but in use on the "
@@ -200,14 +226,15 @@ class WorkspaceImage:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
 
     def unmount(self) -> None:
-        """Unmount the image if it is mounted; the loop device frees itself.
-        A mount still in use on the host is detached instead, and goes once
-        its user lets go."""
+        """Unmount the image if it is mounted; its loop device lets go of it
+        soon after (see RELEASE_TIMEOUT). A mount still in use on the host
+        is detached instead, and goes once its user lets go."""
         mount_point = os.path.realpath(self.mount_point)
         if not _mount_sources(mount_point):
             return
         try:
             if not _ffi.unmount_image(mount_point):
                 logger.warning("%s is in use on the host; detached, it goes once its user lets go", mount_point)
+                return
         except OSError as exc:
             raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from None
