@@ -281,6 +281,21 @@ def _command_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
 
+def _listing_and_deleting(
+    commands, noun: str, description: str, *, list_help: str, delete_help: str, refusal: str
+) -> argparse.ArgumentParser:
+    """``sandboxns NOUN list|delete --state-dir DIR``; returns the list
+    command's parser."""
+    parser = commands.add_parser(noun, help=f"list or delete the {noun}s in a state directory", description=description)
+    nouns = parser.add_subparsers(dest=f"{noun}_command", required=True)
+    listing = nouns.add_parser("list", help=list_help)
+    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete = nouns.add_parser("delete", help=delete_help, description=refusal)
+    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
+    delete.add_argument(noun, help=f"{noun} id (from '{noun} list')")
+    return listing
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandboxns", description="Run commands in Linux-namespace sandboxes.")
     commands = parser.add_subparsers(dest="subcommand", required=True)
@@ -347,21 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     clear.add_argument("session", help="session id (from 'lease list')")
     clear.add_argument("--force", action="store_true", help="kill the session's remaining processes first")
-    session = commands.add_parser(
+    _listing_and_deleting(
+        commands,
         "session",
-        help="list or delete the sessions in a state directory",
-        description="Sessions are made through the API, specs and 'sandboxns mcp'; these are for operators.",
+        "Sessions are made through the API, specs and 'sandboxns mcp'; these are for operators.",
+        list_help="show every session and who holds it",
+        delete_help="delete a stopped session and its workspace",
+        refusal="Refused (SANDBOX_BUSY) while anyone holds the session or any of its processes remain.",
     )
-    session_commands = session.add_subparsers(dest="session_command", required=True)
-    listing = session_commands.add_parser("list", help="show every session and who holds it")
-    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
-    delete = session_commands.add_parser(
-        "delete",
-        help="delete a stopped session and its workspace",
-        description="Refused (SANDBOX_BUSY) while anyone holds the session or any of its processes remain.",
-    )
-    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
-    delete.add_argument("session", help="session id (from 'session list')")
     gc = commands.add_parser(
         "gc",
         help="delete stopped sessions past their retention",
@@ -371,20 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     gc.add_argument("--dry-run", action="store_true", help="only list the sessions that would be deleted")
-    snapshot = commands.add_parser(
+    listing = _listing_and_deleting(
+        commands,
         "snapshot",
-        help="list or delete the snapshots in a state directory",
-        description="Snapshots are made through the API (SessionHandle.snapshot and fork); these are for operators.",
+        "Snapshots are made through the API (SessionHandle.snapshot and fork); these are for operators.",
+        list_help="show every snapshot, oldest first",
+        delete_help="delete a snapshot",
+        refusal="Refused while a session or another snapshot stands on it.",
     )
-    snapshot_commands = snapshot.add_subparsers(dest="snapshot_command", required=True)
-    listing = snapshot_commands.add_parser("list", help="show every snapshot, oldest first")
-    listing.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
     listing.add_argument("--json", action="store_true", help="one JSON list of the snapshots' records")
-    delete = snapshot_commands.add_parser(
-        "delete", help="delete a snapshot", description="Refused while a session or another snapshot stands on it."
-    )
-    delete.add_argument("--state-dir", required=True, type=Path, metavar="DIR")
-    delete.add_argument("snapshot", help="snapshot id (from 'snapshot list')")
     image = commands.add_parser(
         "image",
         help="import, list or delete root filesystem images in a state directory",
