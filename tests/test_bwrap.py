@@ -85,7 +85,7 @@ def _files_of_a_killed_owner(workspace: Path) -> Path:
     """Where a bwrap session's owner, killed by SIGKILL (so it removed
     nothing), kept its files."""
     with subprocess.Popen(
-        [sys.executable, "-c", OWNER_SCRIPT, str(workspace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-P", "-c", OWNER_SCRIPT, str(workspace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     ) as owner:
         left = Path(owner.stdout.readline().decode().strip())
         owner.kill()
