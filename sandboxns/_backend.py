@@ -286,9 +286,7 @@ def delete_session(state_directory: Path, session_id: str) -> None:
     """Delete a stopped session of ``state_directory``: its record,
     workspace and lease. SANDBOX_BUSY while anyone holds it or any of its
     processes remain; SANDBOX_NOT_FOUND if there is no such session."""
-    if not (isinstance(session_id, str) and SESSION_ID_PATTERN.fullmatch(session_id)) or session_id not in session_ids(
-        state_directory
-    ):
+    if not SESSION_ID_PATTERN.fullmatch(session_id) or session_id not in session_ids(state_directory):
         raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id!r} in {state_directory}")
     session_dir = state_directory / "sessions" / session_id
     try:

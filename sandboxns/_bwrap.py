@@ -94,9 +94,10 @@ def private_root() -> Path:
 
 
 def _make_private_directory() -> Path:
-    """A new private directory for a session, named after this process.
-    Those of processes that have died (killed before they could remove
-    theirs) are removed first."""
+    """A new private directory for a session, named after this process
+    (pid and start time, which never name two processes). Those of
+    processes that have died (killed before they could remove theirs) are
+    removed first."""
     root = private_root()
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=0o711)
@@ -108,20 +109,11 @@ def _make_private_directory() -> Path:
             ErrorCode.SANDBOX_UNAVAILABLE, f"{root} is not a directory that only this user can write; remove it"
         )
     for entry in root.iterdir():
-        owner, _, _ = entry.name.partition("-")
-        if owner.isdigit() and not _process_exists(int(owner)):
+        pid, _, start = entry.name.partition("-")[0].partition(".")
+        if pid.isdigit() and start.isdigit() and not ProcessId(int(pid), int(start)).alive():
             shutil.rmtree(entry, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's: alive
-    return True
+    us = ProcessId.of(os.getpid())
+    return Path(tempfile.mkdtemp(prefix=f"{us.pid}.{us.start}-", dir=root))
 
 
 def find_bwrap() -> str | None:

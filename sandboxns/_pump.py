@@ -73,12 +73,6 @@ class OutputCollector:
         return b"".join(self.chunks[name])
 
 
-def kept(output: OutputSink, name: str) -> bytes:
-    """What a sink kept of a stream, if it keeps anything."""
-    collected = getattr(output, "output", None)
-    return collected(name) if callable(collected) else b""
-
-
 class _Input:
     """Feeds a command's stdin pipe from data, or from a host fd as that fd
     delivers, through the pump's epoll set. The host fd itself never reaches

@@ -25,7 +25,7 @@ from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry
 from ._network import PROXY_ENVIRONMENT, PROXY_TRUST_ENVIRONMENT, NetworkPolicy, check_network_policy
 from ._paths import WORKSPACE, normalize_path
-from ._pump import OutputCollector, OutputSink, kept
+from ._pump import OutputCollector, OutputSink
 
 if TYPE_CHECKING:
     from ._gateway import SessionNetwork
@@ -119,6 +119,13 @@ class RunResult:
     @property
     def stderr(self) -> str:
         return self.stderr_bytes.decode("utf-8", "replace")
+
+
+def _kept(output: OutputSink, name: str) -> bytes:
+    """What a sink kept of a stream, if it keeps anything (an
+    OutputCollector does)."""
+    collected = getattr(output, "output", None)
+    return collected(name) if callable(collected) else b""
 
 
 async def _terminate(process: SandboxProcess, grace: float) -> None:
@@ -515,8 +522,8 @@ class Session:
         return RunResult(
             exit_code=status.exit_code,
             signal=status.signal,
-            stdout_bytes=kept(output, "stdout"),
-            stderr_bytes=kept(output, "stderr"),
+            stdout_bytes=_kept(output, "stdout"),
+            stderr_bytes=_kept(output, "stderr"),
             timed_out=timed_out,
             truncated=bool(getattr(output, "truncated", False)),
             duration=time.monotonic() - started,

@@ -3,6 +3,7 @@ reporting, and its one documented difference."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import trio
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError, _bwrap
+from sandboxns._lease import ProcessId
 
 pytestmark = pytest.mark.smoke
 
@@ -101,3 +103,19 @@ async def test_a_killed_owners_files_are_reclaimed_by_the_next_session(bwrap_ins
         own = session.driver._private
         assert own.parent == _bwrap.private_root()
     assert not own.exists()
+
+
+async def test_only_a_live_owners_files_are_kept_whatever_its_pid(bwrap_installed, open_directory):
+    # Named after pid and start time: a reused pid does not keep a dead
+    # owner's files, and a live owner's stay.
+    us = ProcessId.of(os.getpid())
+    _bwrap.private_root().mkdir(mode=0o711, exist_ok=True)
+    reused = _bwrap.private_root() / f"{us.pid}.{us.start + 1}-left"
+    live = _bwrap.private_root() / f"{us.pid}.{us.start}-ours"
+    reused.mkdir()
+    live.mkdir()
+    try:
+        async with sandboxns.open_sandbox(open_directory, driver="bwrap"):
+            assert not reused.exists() and live.exists()
+    finally:
+        live.rmdir()
