@@ -16,7 +16,7 @@ from ._coding import (
     create_sandbox_coding_tools,
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
-from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess
+from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess, StartPlan
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._gateway import AuditRecord
@@ -63,6 +63,7 @@ __all__ = [
     "SpecLimits",
     "SpecProblem",
     "SpecSandbox",
+    "StartPlan",
     "Template",
     "Tool",
     "adapters",

@@ -60,7 +60,7 @@ from typing import Self
 import trio
 
 from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
-from ._driver import GatewayEndpoint, Mount, OverlayUnavailable, check_mounts
+from ._driver import GatewayEndpoint, Mount, Overlay, OverlayUnavailable, StartPlan, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
@@ -1221,26 +1221,6 @@ class Backend:
         layout = description["layout"]
         storage = _storage_root(session_dir, confinement)
         workspace = Path(description["workspace"]) if layout == "bound" else storage / "workspace"
-        if layout == "bound":
-            # As for mounts below: the guest of a session bound to a
-            # directory above this one can swap in a symlink, which must
-            # not redirect this session's workspace to another host path.
-            if workspace.resolve() != workspace:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_PATH_REFUSED,
-                    f"workspace {workspace} now leads to {workspace.resolve()}; refusing to bind it",
-                )
-            self._refuse_state_overlap(workspace, "workspace")
-        mounts = check_mounts([Mount(**mount) for mount in description.get("mounts", [])])
-        for stored, mount in zip(description.get("mounts", []), mounts, strict=True):
-            # A symlink swapped in since (a guest can write some of these
-            # trees) must not redirect the bind to another host path.
-            if mount.host != stored["host"]:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_PATH_REFUSED,
-                    f"mount source {stored['host']} now leads to {mount.host}; refusing to bind it",
-                )
-            self._refuse_state_overlap(Path(mount.host), "mount")
         overlay = None
         if layout == "overlay":
             scratch = storage / "overlay-work"
@@ -1248,6 +1228,7 @@ class Backend:
             # leftovers, some of which it makes mode 000.
             await trio.to_thread.run_sync(remove_tree, scratch)
             scratch.mkdir(mode=0o700)
+            stores = None
             if layer_stores:
                 # Started ahead for a fork: it waits on a blank stack in the
                 # directories a snapshot's upper layer goes on with, so that
@@ -1255,23 +1236,42 @@ class Backend:
                 workspace, scratch = storage / NEXT_UPPER, storage / NEXT_WORK
                 for directory in (workspace, scratch):
                     directory.mkdir(mode=0o755 if directory == workspace else 0o700)
-            overlay = (self._lower_layers(description), scratch)
+                stores = (self._templates.root, self._snapshots.root)
+            overlay = Overlay(tuple(self._lower_layers(description)), scratch, stores)
         elif layout == "copy" and new:
             await self._fill(description, workspace)
-        start = functools.partial(
-            self._driver_class.start,
+        stored_mounts = description.get("mounts", [])
+        plan = StartPlan(
             workspace,
             network=policy,
-            lease=lease,
-            gateway=gateway,
-            mounts=mounts,
+            mounts=[Mount(**mount) for mount in stored_mounts],
             # The cap is the mount made before; the driver sees a directory.
             confinement=dataclasses.replace(confinement, workspace_size=None),
-            **({"layer_stores": (self._templates.root, self._snapshots.root)} if layer_stores else {}),
-            **({"image_root": self._images.root_of(description["image"])} if "image" in description else {}),
+            image_root=self._images.root_of(description["image"]) if "image" in description else None,
+            overlay=overlay,
+            gateway=gateway,
+            lease=lease,
         )
+        # The plan resolves every host path it binds. A symlink swapped in
+        # since a path was stored (the guest of a session bound to a
+        # directory above it can write some of these trees) must not
+        # redirect the bind to another host path.
+        if layout == "bound":
+            if plan.workspace != workspace:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"workspace {workspace} now leads to {plan.workspace}; refusing to bind it",
+                )
+            self._refuse_state_overlap(plan.workspace, "workspace")
+        for stored, mount in zip(stored_mounts, plan.mounts, strict=True):
+            if mount.host != stored["host"]:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"mount source {stored['host']} now leads to {mount.host}; refusing to bind it",
+                )
+            self._refuse_state_overlap(Path(mount.host), "mount")
         try:
-            return await start(overlay=overlay)
+            return await self._driver_class.start(plan)
         except OverlayUnavailable:
             if not new:
                 raise
@@ -1284,7 +1284,7 @@ class Backend:
         await trio.to_thread.run_sync(remove_tree, storage / "overlay-work")
         await self._fill(description, workspace)
         await trio.to_thread.run_sync(write_json, session_dir / "session.json", description)
-        return await start()
+        return await self._driver_class.start(dataclasses.replace(plan, overlay=None))
 
     def _lower_layers(self, description: dict) -> list[Path]:
         """An overlay workspace's read-only layers, topmost first."""

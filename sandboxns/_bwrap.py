@@ -51,7 +51,7 @@ import trio
 
 from . import _ffi
 from ._cgroup import SessionCgroup
-from ._confinement import Confinement, ResourceLimits
+from ._confinement import ResourceLimits
 from ._driver import (
     GUEST_INIT,
     HOLDER_PATH,
@@ -59,15 +59,13 @@ from ._driver import (
     GatewayEndpoint,
     Mount,
     OverlayUnavailable,
-    check_image_root,
-    check_mounts,
-    check_start_arguments,
+    StartPlan,
     received_fds,
 )
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
-from ._lease import Lease, ProcessId
+from ._lease import ProcessId
 from ._network import GATEWAY_SOCKET_NAME, GUEST_GATEWAY_DIR, GUEST_SOCKET, PROXY_PORT, NetworkPolicy
 from ._paths import WORKSPACE
 from ._pump import CommandPipes, OutputCollector, OutputSink
@@ -593,25 +591,14 @@ class BwrapDriver(HostWorkspaceIO):
         raise TypeError("use 'await BwrapDriver.start(...)'")
 
     @classmethod
-    async def start(
-        cls,
-        workspace: str | os.PathLike[str],
-        *,
-        network: object = "deny-all",
-        uid: int = 1000,
-        gid: int = 1000,
-        overlay: tuple[Sequence[Path], Path] | None = None,
-        lease: Lease | None = None,
-        gateway: GatewayEndpoint | None = None,
-        mounts: Sequence[Mount] = (),
-        confinement: Confinement | None = None,
-        image_root: str | os.PathLike[str] | None = None,
-    ) -> BwrapDriver:
-        workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
-        extra = check_mounts(mounts)
-        root = check_image_root(image_root)
-        if overlay is not None:
+    async def start(cls, plan: StartPlan) -> BwrapDriver:
+        """Start a session as ``plan`` says (see :class:`StartPlan`); an
+        overlay workspace is OverlayUnavailable."""
+        if not isinstance(plan, StartPlan):
+            raise invalid_argument(f"start takes a sandboxns.StartPlan, not {plan!r}")
+        if plan.overlay is not None:
             raise OverlayUnavailable("the bwrap driver does not mount template overlays")
+        root = plan.image_root
         listed = None if root is None else await trio.to_thread.run_sync(_list_image, root)
         bwrap = find_bwrap()
         if bwrap is None:
@@ -620,14 +607,14 @@ class BwrapDriver(HostWorkspaceIO):
                 "the bwrap driver needs bubblewrap, which is not installed (apt-get install bubblewrap)",
             )
         self = object.__new__(cls)
-        self.workspace = workspace_path
+        self.workspace = plan.workspace
         self._bwrap = bwrap
-        self._ids = (uid, gid)
-        self._mounts = extra
-        self.confinement = checked_confinement
-        self._seccomp_program = checked_confinement.seccomp.program()
-        self._default_rlimits = checked_confinement.limits.init_argument()
-        self._lease = lease
+        self._ids = (plan.uid, plan.gid)
+        self._mounts = plan.mounts
+        self.confinement = plan.confinement
+        self._seccomp_program = plan.confinement.seccomp.program()
+        self._default_rlimits = plan.confinement.limits.init_argument()
+        self._lease = plan.lease
         self._processes: set[BwrapProcess] = set()
         self._closed = False
         self._stopped = trio.Event()
@@ -635,7 +622,7 @@ class BwrapDriver(HostWorkspaceIO):
         # where bwrap finds the workspace and mounts (see _RootHostNamespaces).
         self._private = _make_private_directory()
         self._etc = self._private / "etc"
-        self._sources = (self.workspace, extra)
+        self._sources = (self.workspace, plan.mounts)
         # An image's root: its listing, and where bwrap finds it.
         self._image_root = (listed, root)
         self._cgroup = None
@@ -646,15 +633,17 @@ class BwrapDriver(HostWorkspaceIO):
         self._enter: list[str] = []
         self._enter_fds: list[int] = []
         try:
-            if checked_confinement.cgroup is not None:
-                self._cgroup = SessionCgroup.create(checked_confinement.cgroup)
+            if plan.confinement.cgroup is not None:
+                self._cgroup = SessionCgroup.create(plan.confinement.cgroup)
                 self._enter.append(f"--cgroup-procs={self._cgroup.procs_fd}")
                 self._enter_fds.append(self._cgroup.procs_fd)
             self._private.chmod(0o755)
             self._etc.mkdir(mode=0o755)
             host_ids = guest_host_ids()
             if host_ids is not None:
-                self._root_host = _RootHostNamespaces(self.workspace, extra, (uid, gid), host_ids, self._private, root)
+                self._root_host = _RootHostNamespaces(
+                    self.workspace, plan.mounts, self._ids, host_ids, self._private, root
+                )
                 self._sources = self._root_host.sources
                 self._image_root = (listed, self._root_host.image_root)
                 # Host-side file operations act as the workspace's owner, so
@@ -664,7 +653,7 @@ class BwrapDriver(HostWorkspaceIO):
                 self._enter_fds += [self._root_host.mount_ns, self._root_host.userns]
             if self._enter:
                 self._enter = [str(HOLDER_PATH), "--enter", *self._enter, "--"]
-            self._configure(policy, gateway)
+            self._configure(plan.network, plan.gateway)
             self._files = WorkspaceFiles.of_directory(self.workspace)
         except BaseException:
             self._release()

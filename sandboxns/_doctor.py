@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from ._bwrap import find_bwrap
-from ._driver import HOLDER_PATH
+from ._driver import HOLDER_PATH, StartPlan
 from ._errors import SandboxError
 from ._image import missing_for_workspace_cap
 from ._native import NativeDriver
@@ -256,7 +256,7 @@ def _check_images() -> tuple[bool, str]:
             workspace.mkdir()
             shutil.copy(HOLDER_PATH, root / "bin/probe")
             with trio.fail_after(SANDBOX_PROBE_TIMEOUT):
-                driver = await NativeDriver.start(workspace, image_root=root)
+                driver = await NativeDriver.start(StartPlan(workspace, image_root=root))
                 try:
                     result = await Session(driver).run("/bin/probe", ["--version"], env={})
                 finally:

@@ -19,10 +19,11 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
-from ._confinement import Confinement, ResourceLimits, check_confinement
+from ._confinement import DEFAULT_CONFINEMENT, Confinement, ResourceLimits, check_confinement
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import DirEntry
-from ._network import GUEST_GATEWAY_DIR, GUEST_SOCKET, NetworkPolicy, check_network_policy
+from ._lease import Lease
+from ._network import DENY_ALL, GUEST_GATEWAY_DIR, GUEST_SOCKET, NetworkPolicy, check_network_policy
 from ._paths import WORKSPACE
 from ._pump import OutputSink
 
@@ -41,45 +42,6 @@ class OverlayUnavailable(SandboxError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.SANDBOX_UNAVAILABLE, message)
-
-
-def check_start_arguments(
-    workspace: str | os.PathLike[str], network: object, uid: object, gid: object, confinement: object
-) -> tuple[Path, NetworkPolicy, Confinement]:
-    """What every driver's ``start`` checks first: the user and group ids,
-    the network policy, the confinement, and a workspace that is a
-    directory. Returns the workspace's resolved path, the checked policy and
-    confinement."""
-    for label, value in (("uid", uid), ("gid", gid)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
-            raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{label} must be an integer id, not {value!r}")
-    policy = check_network_policy(network)
-    checked_confinement = check_confinement(confinement)
-    if checked_confinement.workspace_size is not None:
-        # A backend caps the storage it makes for a session before any
-        # driver starts (see sandboxns._image); a driver is given a directory.
-        raise invalid_argument(
-            "workspace_size caps the workspace of a backend session made from a template (Backend.create); "
-            "a sandbox over a host directory cannot be capped"
-        )
-    workspace_path = Path(workspace)
-    if not workspace_path.is_dir():
-        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {workspace_path} is not a directory")
-    return workspace_path.resolve(), policy, checked_confinement
-
-
-def check_image_root(image_root: object) -> Path | None:
-    """A driver's ``image_root``: None (the guest's root is made of the
-    host's runtime trees), or the directory of an imported image's root
-    filesystem (see sandboxns._rootfs_images), resolved."""
-    if image_root is None:
-        return None
-    if not isinstance(image_root, (str, os.PathLike)) or "\0" in str(image_root):
-        raise invalid_argument(f"image_root must be a directory, not {image_root!r}")
-    root = Path(image_root)
-    if not root.is_absolute() or not root.is_dir():
-        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"image root {root} is not an absolute directory")
-    return root.resolve()
 
 
 # Where the bwrap driver binds its init, pid 1 of each command (csrc/bwrap_init.c).
@@ -133,6 +95,98 @@ def check_mounts(mounts: object) -> tuple[Mount, ...]:
             )
         checked.append(Mount(str(host.resolve()), guest, mount.writable))
     return tuple(checked)
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """An overlay workspace: the plan's ``workspace`` is its writable upper
+    layer, over the read-only ``lowers`` (topmost first: snapshots, then a
+    template); ``scratch`` is overlayfs's work directory. With
+    ``layer_stores`` (the state directory's templates and snapshots) the
+    native holder keeps a read-only handle on both, so that its workspace
+    can later be stood on any of their layers (a session started ahead,
+    for forks)."""
+
+    lowers: tuple[Path, ...]
+    scratch: Path
+    layer_stores: tuple[Path, Path] | None = None
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """Everything a driver's ``start`` needs, checked once, here: building
+    a plan raises SandboxError for anything wrong, and holds the checked
+    values (a resolved workspace and mounts, a parsed
+    :class:`~sandboxns.NetworkPolicy`, a :class:`~sandboxns.Confinement`).
+
+    ``workspace`` is the host directory that is the guest's /workspace (or
+    the upper layer of ``overlay``); ``uid``/``gid`` the guest's ids;
+    ``mounts`` extra host paths to bind (see :class:`Mount`);
+    ``confinement`` the session's kernel bounds, without a workspace size
+    cap (a backend makes that mount before any driver starts);
+    ``image_root``, an imported image's root filesystem, is the guest's
+    root instead of the host's runtime trees; ``gateway`` is the session's
+    egress gateway, for a policy that has one (see
+    :meth:`SandboxDriver.set_network`); ``lease``, a held session lease,
+    tracks the session's processes, and the native driver shares it with
+    its holder's launcher so it stays locked until every process of the
+    session is gone, even if this process dies first."""
+
+    workspace: Path
+    network: NetworkPolicy = DENY_ALL
+    uid: int = 1000
+    gid: int = 1000
+    mounts: tuple[Mount, ...] = ()
+    confinement: Confinement = DEFAULT_CONFINEMENT
+    image_root: Path | None = None
+    overlay: Overlay | None = None
+    gateway: GatewayEndpoint | None = None
+    lease: Lease | None = None
+
+    def __post_init__(self) -> None:
+        # Each field is given as callers have it and kept as checked.
+        for label in ("uid", "gid"):
+            value = getattr(self, label)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
+                raise invalid_argument(f"{label} must be an integer id, not {value!r}")
+        confinement = check_confinement(self.confinement)
+        if confinement.workspace_size is not None:
+            raise invalid_argument(
+                "workspace_size caps the workspace of a backend session made from a template (Backend.create); "
+                "a sandbox over a host directory cannot be capped"
+            )
+        if self.overlay is not None and not isinstance(self.overlay, Overlay):
+            raise invalid_argument(f"overlay must be a sandboxns._driver.Overlay, not {self.overlay!r}")
+        if self.lease is not None and not isinstance(self.lease, Lease):
+            raise invalid_argument(f"lease must be a held session lease, not {self.lease!r}")
+        object.__setattr__(self, "network", check_network_policy(self.network))
+        object.__setattr__(self, "confinement", confinement)
+        object.__setattr__(self, "mounts", check_mounts(self.mounts))
+        object.__setattr__(self, "image_root", _checked_image_root(self.image_root))
+        object.__setattr__(self, "workspace", _checked_workspace(self.workspace))
+
+
+def _checked_workspace(workspace: object) -> Path:
+    if not isinstance(workspace, (str, os.PathLike)) or "\0" in str(workspace):
+        raise invalid_argument(f"workspace must be a path, not {workspace!r}")
+    path = Path(workspace)
+    if not path.is_dir():
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
+    return path.resolve()
+
+
+def _checked_image_root(image_root: object) -> Path | None:
+    """None (the guest's root is made of the host's runtime trees), or the
+    directory of an imported image's root filesystem (see
+    sandboxns._rootfs_images), resolved."""
+    if image_root is None:
+        return None
+    if not isinstance(image_root, (str, os.PathLike)) or "\0" in str(image_root):
+        raise invalid_argument(f"image_root must be a directory, not {image_root!r}")
+    root = Path(image_root)
+    if not root.is_absolute() or not root.is_dir():
+        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"image root {root} is not an absolute directory")
+    return root.resolve()
 
 
 class GatewayEndpoint(Protocol):

@@ -22,23 +22,20 @@ import trio
 
 from . import _ffi
 from ._cgroup import SessionCgroup
-from ._confinement import Confinement, ResourceLimits
+from ._confinement import ResourceLimits
 from ._driver import (
     HOLDER_PATH,
     MAX_COMMAND_BYTES,
     ExitStatus,
     GatewayEndpoint,
-    Mount,
     OverlayUnavailable,
-    check_image_root,
-    check_mounts,
-    check_start_arguments,
+    StartPlan,
     received_fds,
 )
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._files import HostWorkspaceIO, WorkspaceFiles
 from ._hostids import guest_host_ids
-from ._lease import Lease, ProcessId
+from ._lease import ProcessId
 from ._network import PROXY_PORT, NetworkPolicy
 from ._pump import CommandPipes, OutputSink
 
@@ -148,55 +145,26 @@ class NativeDriver(HostWorkspaceIO):
         raise TypeError("use 'await NativeDriver.start(...)'")
 
     @classmethod
-    async def start(
-        cls,
-        workspace: str | os.PathLike[str],
-        *,
-        network: object = "deny-all",
-        uid: int = 1000,
-        gid: int = 1000,
-        overlay: tuple[Sequence[Path], Path] | None = None,
-        lease: Lease | None = None,
-        gateway: GatewayEndpoint | None = None,
-        mounts: Sequence[Mount] = (),
-        confinement: Confinement | None = None,
-        layer_stores: tuple[Path, Path] | None = None,
-        image_root: str | os.PathLike[str] | None = None,
-    ) -> NativeDriver:
-        """Start a session whose /workspace is the host directory
-        ``workspace``. With ``overlay=(lowers, scratch)`` the workspace is
-        instead the overlay of ``workspace`` (the writable upper layer) on the
-        read-only ``lowers`` (topmost first: snapshots, then a template);
-        ``scratch`` is overlayfs's work directory.
-        ``lease``, a held session lease, is shared with the holder's
-        launcher, so it stays locked until every process of the session is
-        gone, even if this process dies first. ``gateway`` is the session's
-        egress gateway for a policy that has one (see
-        :meth:`set_network`).
-        ``mounts`` are extra host paths to bind (see :class:`Mount`);
-        ``confinement`` the session's kernel bounds (see :class:`Confinement`).
-        ``layer_stores`` (the state directory's templates and snapshots),
-        with an overlay: the holder keeps a read-only handle on both, so
-        that :meth:`take_layers` can later stand the workspace on any of
-        their layers (a session started ahead, for forks).
-        ``image_root``, an imported image's root filesystem, is the guest's
-        root instead of the host's runtime trees (see csrc/rootfs.c)."""
-        workspace_path, policy, checked_confinement = check_start_arguments(workspace, network, uid, gid, confinement)
-        extra = check_mounts(mounts)
-        root = check_image_root(image_root)
+    async def start(cls, plan: StartPlan) -> NativeDriver:
+        """Start a session as ``plan`` says (see :class:`StartPlan`). An
+        overlay's ``layer_stores`` let :meth:`take_layers` later stand the
+        workspace on any of their layers; an image root is the guest's root
+        instead of the host's runtime trees (see csrc/rootfs.c)."""
+        if not isinstance(plan, StartPlan):
+            raise invalid_argument(f"start takes a sandboxns.StartPlan, not {plan!r}")
         if not HOLDER_PATH.exists():
             raise SandboxError(
                 ErrorCode.SANDBOX_UNAVAILABLE,
                 f"the holder program {HOLDER_PATH} is missing; reinstall sandboxns with 'pip install .'",
             )
         self = object.__new__(cls)
-        self.workspace = workspace_path
-        self.confinement = checked_confinement
-        self._default_rlimits = checked_confinement.limits.slots()
+        self.workspace = plan.workspace
+        self.confinement = plan.confinement
+        self._default_rlimits = plan.confinement.limits.slots()
         self._base_argv = [
             str(HOLDER_PATH),
-            f"--uid={uid}",
-            f"--gid={gid}",
+            f"--uid={plan.uid}",
+            f"--gid={plan.gid}",
             *self.confinement.holder_arguments(),
         ]
         host_ids = guest_host_ids()
@@ -206,20 +174,19 @@ class NativeDriver(HostWorkspaceIO):
         # The workspace's layers, which a snapshot changes: see _launch.
         self._overlay_lowers: list[Path] = []
         self._overlay_work: Path | None = None
-        if overlay is not None:
-            lowers, scratch = overlay
-            self._overlay_work = Path(scratch).resolve()
-            self._overlay_lowers = [Path(lower) for lower in lowers]
-            if layer_stores is not None:
-                templates, snapshots = layer_stores
+        if plan.overlay is not None:
+            self._overlay_work = plan.overlay.scratch.resolve()
+            self._overlay_lowers = list(plan.overlay.lowers)
+            if plan.overlay.layer_stores is not None:
+                templates, snapshots = plan.overlay.layer_stores
                 self._base_argv += [
-                    f"--template-store={Path(templates).resolve()}",
-                    f"--snapshot-store={Path(snapshots).resolve()}",
+                    f"--template-store={templates.resolve()}",
+                    f"--snapshot-store={snapshots.resolve()}",
                 ]
-        self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in extra]
-        if root is not None:
-            self._base_argv.append(f"--image-root={root}")
-        self._lease = lease
+        self._base_argv += [f"--bind={'rw' if m.writable else 'ro'}:{m.guest}:{m.host}" for m in plan.mounts]
+        if plan.image_root is not None:
+            self._base_argv.append(f"--image-root={plan.image_root}")
+        self._lease = plan.lease
         self._closed = False
         self._holder_died = False
         self._restackable = True  # until its holder says it cannot (see restack)
@@ -230,7 +197,7 @@ class NativeDriver(HostWorkspaceIO):
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._proxy: trio.CancelScope | None = None
         try:
-            await self._launch(policy, gateway)
+            await self._launch(plan.network, plan.gateway)
         except BaseException:
             self._release()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import ssl
@@ -9,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ._confinement import Confinement
+from ._driver import StartPlan
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
-from ._network import check_network_policy
 from ._registry import driver_class
 from ._session import Session
 
@@ -35,15 +36,14 @@ async def open_sandbox(
     the gateway's internal errors; ``confinement`` sets the session's
     rlimits, /tmp size and seccomp filter (see :class:`Confinement`)."""
     driver_type = driver_class(driver)
-    policy = check_network_policy(network)
+    # Everything is checked before anything starts; the gateway joins the plan once it runs.
+    plan = StartPlan(workspace, network=network, uid=uid, gid=gid, confinement=confinement)
     hub = GatewayHub(upstream_ssl_context, on_broker_error)
     async with service_nursery() as nursery:
         network_of_session = SessionNetwork(hub, nursery, f"sandbox-{secrets.token_hex(4)}")
         try:
-            gateway = await network_of_session.prepare(policy)
-            sandbox_driver = await driver_type.start(
-                workspace, network=policy, uid=uid, gid=gid, gateway=gateway, confinement=confinement
-            )
+            gateway = await network_of_session.prepare(plan.network)
+            sandbox_driver = await driver_type.start(dataclasses.replace(plan, gateway=gateway))
             try:
                 yield Session(sandbox_driver, network=network_of_session)
             finally:

@@ -61,7 +61,7 @@ from ._backend import (
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError
-from ._network import AllowedOrigin, NetworkPolicy, Origin, header_name_problem, parse_origin
+from ._network import AllowedOrigin, NetworkPolicy, Origin, check_network_policy, header_name_problem, parse_origin
 from ._registry import DRIVERS
 from ._rootfs_images import check_digest
 from ._routing import Refusal, route_request, route_tunnel
@@ -369,13 +369,13 @@ class SandboxSpec:
         environment = {**base, **resolved.vars, **{name: host[name] for name in passthrough}}
         return {**environment, **_install_environment(resolved.install, environment)}
 
-    def network_policy(self, host_env: Mapping[str, str] | None = None) -> object:
-        """``network.egress`` as a policy for :meth:`Backend.create`, with
-        header references resolved from ``host_env`` (default: this
+    def network_policy(self, host_env: Mapping[str, str] | None = None) -> NetworkPolicy:
+        """``network.egress`` as a checked policy for :meth:`Backend.create`,
+        with header references resolved from ``host_env`` (default: this
         process's environment)."""
         resolved = self._checked()
         if isinstance(resolved.egress, str):
-            return resolved.egress
+            return check_network_policy(resolved.egress)
         host = os.environ if host_env is None else host_env
         missing = sorted({ref.env for entry in resolved.egress for ref in entry.headers.values()} - set(host))
         if missing:
@@ -383,15 +383,19 @@ class SandboxSpec:
                 ErrorCode.SANDBOX_INVALID_ARGUMENT,
                 f"network.egress header references host variables that are not set: {', '.join(missing)}",
             )
-        return {
-            "allow": [
-                {
-                    "origin": entry.origin,
-                    "headers": {name: ref.prefix + host[ref.env] for name, ref in entry.headers.items()},
-                }
-                for entry in resolved.egress
-            ]
-        }
+        # The origins and header names were checked with the spec; the
+        # values come from the host now, and are checked as any policy's.
+        return check_network_policy(
+            {
+                "allow": [
+                    {
+                        "origin": entry.origin,
+                        "headers": {name: ref.prefix + host[ref.env] for name, ref in entry.headers.items()},
+                    }
+                    for entry in resolved.egress
+                ]
+            }
+        )
 
     def template_files(self) -> dict[str, bytes] | None:
         """The template's files (None when the spec binds a workspace)."""
@@ -449,7 +453,7 @@ class SandboxSpec:
         backend: Backend,
         resolved: _Resolved,
         files: dict[str, bytes] | None,
-        network: object,
+        network: NetworkPolicy,
         host_env: Mapping[str, str] | None,
         credential_env: Sequence[str],
     ) -> tuple[SessionHandle, tuple[InstallResult, ...]]:

@@ -101,3 +101,16 @@ async def test_a_mount_source_that_now_leads_elsewhere_is_refused(backend, share
     source.rmdir()
     source.symlink_to(tmp_path / "link-target")
     await refused(ErrorCode.SANDBOX_PATH_REFUSED, backend.create(state=state))
+
+
+async def test_a_bound_workspace_that_now_leads_elsewhere_is_not_resumed(backend, tmp_path):
+    bound, elsewhere = tmp_path / "bound", tmp_path / "elsewhere"
+    bound.mkdir()
+    elsewhere.mkdir()
+    handle = await backend.create(workspace=bound)
+    state = handle.capture_state()
+    await handle.stop()
+    bound.rename(tmp_path / "moved")
+    bound.symlink_to(elsewhere)
+    error = await refused(ErrorCode.SANDBOX_PATH_REFUSED, backend.create(state=state))
+    assert "now leads to" in error.message

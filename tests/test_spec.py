@@ -11,6 +11,7 @@ from conftest import refused
 
 import sandboxns
 from sandboxns import ErrorCode, SandboxError, SandboxSpec
+from sandboxns._network import check_network_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -121,9 +122,9 @@ def test_toml_json_and_sandbox_md_say_the_same_thing(tmp_path):
             **spec.environment(HOST),
             "SPEC_TEST_KEY": "sk-auto-7e1d",
         }
-        assert spec.network_policy(HOST) == {
-            "allow": [{"origin": "https://api.example.com", "headers": {"authorization": "Bearer s3cret-token"}}]
-        }
+        assert spec.network_policy(HOST) == check_network_policy(
+            {"allow": [{"origin": "https://api.example.com", "headers": {"authorization": "Bearer s3cret-token"}}]}
+        )
         assert spec.template_files() == {"main.py": b"print('hello')\n", "pkg/data.txt": b"data"}
 
 
