@@ -1,54 +1,14 @@
-"""The backend: templates, durable sessions, leases and command admission.
-
-Layout of a state directory (all of it belongs to the trusted host; no
-credential is ever written here)::
-
-    templates/<key>/files/...       immutable template files (see _templates)
-    templates/<key>/template.json
-    sessions/<id>/session.json      backend, template, workspace layout,
-                                    layers, retention (replaced whole by
-                                    exchange with .session.json.spare, see
-                                    write_json)
-    sessions/<id>/lease             flock'd by the live owner (see _lease)
-    sessions/<id>/workspace/        the session's files; with an overlay,
-                                    only what differs from its layers
-    sessions/<id>/overlay-work/     overlayfs scratch space (and during and
-                                    after a snapshot, the *.next and .old
-                                    directories beside these two)
-    snapshots/<id>/...              frozen workspaces (see _snapshots)
-
-A session with a workspace size cap keeps those two directories on an ext4
-image of the cap's size instead (see _image)::
-
-    sessions/<id>/workspace.img     the image
-    sessions/<id>/storage/          where it is mounted while the session is
-                                    live, holding workspace/ and overlay-work/
-
-Both are on the image, not the workspace alone, because overlayfs wants its
-upper and work directories on one mount.
-
-Durability is per process: a crash of the host process loses nothing already
-written, but nothing is fsync'd against power loss.
-
-A session created with a retention is deleted once it has been stopped that
-long: stopped by its owner, or left when its owner died, so that nobody holds
-its lease. The clock is the lease file's modification time (see _lease).
-Whoever opens a backend over the state directory deletes the expired ones,
-and a running backend looks again every RETENTION_SWEEP_INTERVAL seconds.
-"""
+"""The backend: templates, durable sessions, leases and command admission
+(the state directory it keeps them in is described in _state)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import errno
 import functools
-import json
 import logging
 import os
-import re
-import secrets
 import ssl
 import stat
 import time
@@ -60,36 +20,45 @@ from typing import Self
 import trio
 
 from ._confinement import DEFAULT_CONFINEMENT, Confinement, check_confinement
-from ._driver import GatewayEndpoint, Mount, Overlay, OverlayUnavailable, StartPlan, check_mounts
+from ._driver import GatewayEndpoint, Mount, Overlay, OverlayUnavailable, SandboxDriver, StartPlan, check_mounts
 from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._gateway import GatewayHub, SessionNetwork, service_nursery
 from ._image import WorkspaceImage, require_workspace_cap_support
 from ._layers import copy_tree, merge_layers, move_tree, remove_tree
-from ._lease import Lease, is_locked, last_written, session_ids, unowned
+from ._lease import Lease, is_locked
 from ._network import DENY_ALL, GATEWAY_ENVIRONMENT, NetworkPolicy, check_network_policy
+from ._pool import FORK_POOL, MAX_POOL_SIZE, SessionPools
 from ._registry import driver_class
 from ._rootfs_images import Image, ImageStore, check_digest, session_environment
 from ._session import DEFAULT_ENV, Session, check_seconds
 from ._snapshots import (
     MAX_STACK_DEPTH,
-    SNAPSHOT_ID_PATTERN,
     Snapshot,
     SnapshotStore,
     check_snapshot_name,
     new_snapshot_id,
-    read_record,
     snapshot_id_of,
-    write_json,
 )
-from ._templates import KEY_PATTERN, Template, TemplateStore, check_key, check_template_files
+from ._state import (
+    SESSION_ID_PATTERN,
+    STATE_FORMAT,
+    delete_expired_sessions,
+    delete_image,
+    delete_snapshot,
+    discard_session,
+    new_description,
+    read_description,
+    stack_of,
+    storage_root,
+    sweep_snapshot_store,
+    write_description,
+)
+from ._templates import Template, TemplateStore, check_key, check_template_files
 
 logger = logging.getLogger("sandboxns")
 
 DEFAULT_MAX_CONCURRENT_COMMANDS = 8
 MAX_CONCURRENT_COMMANDS_LIMIT = 4096
-MAX_POOL_SIZE = 1024
-# The key of the pool of sessions started ahead for forks (Backend.pool_forks).
-FORK_POOL = "forks"
 # Beside an overlay workspace's upper layer during a snapshot: the upper and
 # work directories it goes on with (see Backend._freeze), and the work
 # directory of the overlay it leaves, which the next snapshot removes.
@@ -98,10 +67,6 @@ NEXT_WORK = "overlay-work.next"
 OLD_WORK = "overlay-work.old"
 # How many of a fork's sessions start at once.
 FORK_CONCURRENCY = max(2, os.cpu_count() or 1)
-STATE_FORMAT = 1
-SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
-# A session.json is a few hundred bytes; a much larger one is not ours.
-MAX_DESCRIPTION_BYTES = 64 * 1024
 # How often a running backend deletes stopped sessions past their retention
 # (and stamps the leases of its own, see _lease): retentions are minutes to
 # days, and each look reads every session's record.
@@ -133,189 +98,6 @@ class CommandSlots:
         self.active -= 1
 
 
-def _description_problem(description: object, session_id: str) -> str | None:
-    """What makes ``description`` not a session.json this code wrote for
-    session ``session_id``, or None. Every field a resume acts on is
-    checked, so a damaged or edited record is refused whole."""
-    if not isinstance(description, dict):
-        return "it is not a JSON object"
-    if description.get("format") != STATE_FORMAT:
-        return f"format {description.get('format')!r} is not {STATE_FORMAT}"
-    if description.get("session") != session_id:
-        return f"it names session {description.get('session')!r}"
-    if not isinstance(description.get("backend"), str) or "template" not in description:
-        return "it names no backend or template"
-    layout, template = description.get("layout"), description.get("template")
-    if layout == "bound":
-        workspace = description.get("workspace")
-        if template is not None or not isinstance(workspace, str) or not os.path.isabs(workspace):
-            return "a bound session needs an absolute workspace path and no template"
-    elif layout in ("overlay", "copy"):
-        # Also keeps a key like "../.." from naming a host directory to use
-        # as the workspace's template. A session made from a snapshot of a
-        # bound session has none.
-        if not (template is None or (isinstance(template, str) and KEY_PATTERN.fullmatch(template))):
-            return f"template {template!r} is not a template key"
-    else:
-        return f"unknown workspace layout {layout!r}"
-    problem = _stack_problem(description)
-    if problem is not None:
-        return problem
-    mounts = description.get("mounts", [])
-    if not isinstance(mounts, list) or not all(
-        isinstance(mount, dict)
-        and set(mount) == {"host", "guest", "writable"}
-        and isinstance(mount["host"], str)
-        and isinstance(mount["guest"], str)
-        and isinstance(mount["writable"], bool)
-        for mount in mounts
-    ):
-        return "its mounts are malformed"
-    if description.get("retention") is not None:
-        try:
-            check_seconds(description["retention"], "its retention")
-        except SandboxError as exc:
-            return exc.message
-    return None
-
-
-def _stack_problem(description: dict) -> str | None:
-    """What is wrong with the snapshot layers a record says its workspace
-    stands on (see stack_of), or None."""
-    layers, on_template = description.get("layers", []), description.get("on_template")
-    if not isinstance(layers, list) or not all(isinstance(i, str) and SNAPSHOT_ID_PATTERN.fullmatch(i) for i in layers):
-        return "its snapshot layers are malformed"
-    for key in ("snapshot", "pending_snapshot"):
-        value = description.get(key)
-        if value is not None and not (isinstance(value, str) and SNAPSHOT_ID_PATTERN.fullmatch(value)):
-            return f"its {key} is not a snapshot id"
-    if description["layout"] != "overlay":
-        if layers or on_template or "pending_snapshot" in description:
-            return "only an overlay workspace stands on snapshot layers"
-        return None
-    _, on_template = stack_of(description)
-    if not isinstance(on_template, bool) or (on_template and description["template"] is None):
-        return "on_template must be true or false, and true only with a template"
-    if not layers and not on_template:
-        return "an overlay workspace needs a layer under it"
-    if len(layers) + on_template > MAX_STACK_DEPTH or len(set(layers)) != len(layers):
-        return f"its layers repeat, or stack deeper than {MAX_STACK_DEPTH}"
-    return None
-
-
-def stack_of(description: dict) -> tuple[list[str], bool]:
-    """The snapshots an overlay workspace stands on (topmost first), and
-    whether its template's files lie under them (records from before
-    snapshots have neither key: their template alone)."""
-    return list(description.get("layers", [])), description.get("on_template", description["layout"] == "overlay")
-
-
-def read_description(state_directory: Path, session_id: str) -> dict:
-    """Session ``session_id``'s stored record (session.json), checked; a
-    record that is not one this code wrote is SANDBOX_STATE_MISMATCH and
-    nothing in it is used."""
-    path = state_directory / "sessions" / session_id / "session.json"
-    try:
-        data = read_record(path, MAX_DESCRIPTION_BYTES)
-    except FileNotFoundError:
-        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id} in {state_directory}") from None
-    except OSError as exc:
-        raise _damaged(session_id, f"cannot open it: {exc.strerror}") from None
-    if data is None:
-        raise _damaged(session_id, "it is not a regular file")
-    if len(data) > MAX_DESCRIPTION_BYTES:
-        raise _damaged(session_id, f"it is larger than {MAX_DESCRIPTION_BYTES} bytes")
-    try:
-        description = json.loads(data)
-    except ValueError:
-        raise _damaged(session_id, "it is not JSON") from None
-    problem = _description_problem(description, session_id)
-    if problem is not None:
-        raise _damaged(session_id, problem)
-    return description
-
-
-def _damaged(session_id: str, problem: str) -> SandboxError:
-    return SandboxError(
-        ErrorCode.SANDBOX_STATE_MISMATCH, f"the stored record of session {session_id} is not usable: {problem}"
-    )
-
-
-def _discard(session_dir: Path) -> None:
-    """Remove a session nothing runs in any more. It leaves sessions/ in one
-    rename, so nobody ever finds it half removed."""
-    trash = session_dir.with_name(f".deleted-{session_dir.name}-{secrets.token_hex(4)}")
-    os.rename(session_dir, trash)
-    remove_tree(trash)
-
-
-def delete_expired_sessions(state_directory: Path, *, dry_run: bool = False) -> list[str]:
-    """Delete every stopped session of ``state_directory`` whose retention
-    has passed (with ``dry_run``, only find them); returns their ids. A
-    session someone holds, one still being torn down, and one whose record
-    cannot be read are left alone."""
-    expired = []
-    for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
-        session_dir = state_directory / "sessions" / session_id
-        try:
-            retention = read_description(state_directory, session_id).get("retention")
-            # Judged without the lock first: a sweep must not lock sessions
-            # that are not due, as an owner attaching meanwhile would find
-            # its lease taken.
-            if retention is None or time.time() - last_written(session_dir) < retention:
-                continue
-            with unowned(session_dir) as stopped:
-                if stopped is None or time.time() - stopped < retention:
-                    continue
-                if not dry_run:
-                    _delete_stopped(session_dir)
-        except FileNotFoundError:  # no lease: never attached, being created right now
-            continue
-        except SandboxError as exc:
-            if exc.code is not ErrorCode.SANDBOX_NOT_FOUND:  # else it was deleted meanwhile
-                logger.warning("not collecting session %s: %s", session_id, exc.message)
-            continue
-        except OSError as exc:
-            logger.warning("not collecting session %s: %s", session_id, exc)
-            continue
-        expired.append(session_id)
-    return expired
-
-
-def delete_session(state_directory: Path, session_id: str) -> None:
-    """Delete a stopped session of ``state_directory``: its record,
-    workspace and lease. SANDBOX_BUSY while anyone holds it or any of its
-    processes remain; SANDBOX_NOT_FOUND if there is no such session."""
-    if not SESSION_ID_PATTERN.fullmatch(session_id) or session_id not in session_ids(state_directory):
-        raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no session {session_id!r} in {state_directory}")
-    session_dir = state_directory / "sessions" / session_id
-    try:
-        with unowned(session_dir) as stopped:
-            if stopped is None:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_BUSY,
-                    f"session {session_id} is in use or its processes remain ('sandboxns lease list' says which)",
-                )
-            _delete_stopped(session_dir)
-    except FileNotFoundError:  # no lease yet: being created right now
-        raise SandboxError(ErrorCode.SANDBOX_BUSY, f"session {session_id} is being created") from None
-
-
-def _delete_stopped(session_dir: Path) -> None:
-    """Delete a session whose lease the caller holds and whose processes
-    are gone."""
-    image = WorkspaceImage(session_dir)
-    if image.path.exists():
-        image.unmount()  # an owner that crashed left it mounted
-    _discard(session_dir)
-
-
-def _storage_root(session_dir: Path, confinement: Confinement) -> Path:
-    """Where a session keeps what it writes (its workspace and an overlay's
-    work directory): its own directory, or its mounted image when capped."""
-    return session_dir if confinement.workspace_size is None else WorkspaceImage(session_dir).mount_point
-
-
 def _check_snapshot_image(snapshot: Snapshot, image: str | None) -> None:
     """A session over ``snapshot`` runs on its image: ``image``, if given
     to create(), must be that one."""
@@ -341,7 +123,20 @@ class SessionHandle:
     """A session owned by this process: its :class:`Session`, its state
     descriptor, and its lifetime (stop, shutdown, delete)."""
 
-    def __init__(self, backend: Backend, session_dir: Path, description: dict) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        session_dir: Path,
+        description: dict,
+        *,
+        session: Session,
+        lease: Lease,
+        network: SessionNetwork,
+        workspace_image: WorkspaceImage | None,
+    ) -> None:
+        """A session the backend has just started (see Backend._attach),
+        over ``session``'s driver, holding ``lease``; ``network`` keeps its
+        gateway, ``workspace_image`` is a capped session's mounted image."""
         self._backend = backend
         self._dir = session_dir
         self._description = description
@@ -351,17 +146,17 @@ class SessionHandle:
         self.image: str | None = description.get("image")
         # Seconds a stopped session is kept, or None for ever (session.json).
         self.retention: float | None = description.get("retention")
-        self._driver = None
-        self._lease: Lease | None = None
+        self.session = session
+        self._driver: SandboxDriver | None = session.driver
+        self._lease: Lease | None = lease
+        self._network: SessionNetwork | None = network
+        self._image = workspace_image
         self._deleted = False
         self._lifecycle = trio.Lock()
-        self._network: SessionNetwork | None = None
         self.destroy_on_close = False
         self.destroy_on_idle = False
         self._idle_watch: trio.CancelScope | None = None
         self._closed = trio.Event()
-        self._image: WorkspaceImage | None = None  # a capped session's, see _image
-        self.session: Session
 
     def capture_state(self) -> dict:
         """A small JSON-serialisable descriptor to store and later pass to
@@ -490,7 +285,7 @@ class SessionHandle:
         """Store the session's retention in its session.json. Only while
         its lease is held, so no one else writes there meanwhile."""
         self._description["retention"] = retention
-        write_json(self._dir / "session.json", self._description)
+        write_description(self._dir, self._description)
         self.retention = retention
 
     async def snapshot(self, name: str | None = None, *, copy: bool = False) -> Snapshot:
@@ -607,7 +402,7 @@ class SessionHandle:
             try:
                 if self._image is not None:  # an owner that crashed left it mounted
                     await _unmount(self._image)
-                await trio.to_thread.run_sync(_discard, self._dir)
+                await trio.to_thread.run_sync(discard_session, self._dir)
             finally:
                 self._release()
             self._deleted = True
@@ -668,20 +463,6 @@ class _Lifetime:
         return cls(idle_timeout, destroy_on_close, destroy_on_idle, retention)
 
 
-class _Pool:
-    """Sessions started and waiting to be handed out: of one template, or
-    (FORK_POOL) ready to take a snapshot's layers."""
-
-    def __init__(self, key: str, size: int, make: Callable[[], Awaitable[SessionHandle]]) -> None:
-        self.key = key
-        self.make = make
-        self.size = size
-        self.ready: collections.deque[SessionHandle] = collections.deque()
-        self.wake = trio.Event()  # a hand-out, or a new size
-        self.filled = trio.Event()  # another session is ready (or failed)
-        self.failure: SandboxError | None = None
-
-
 class Backend:
     """Owns a state directory: templates, sessions and their leases, and the
     admission limit shared by all its sessions. Use :func:`open_backend`."""
@@ -706,7 +487,7 @@ class Backend:
         self._sessions = state_directory / "sessions"
         self._overlay = self._driver_class.supports_overlay
         self._live: set[SessionHandle] = set()
-        self._pools: dict[str, _Pool] = {}
+        self._pools: SessionPools[SessionHandle] = SessionPools(nursery)
         self._closed = False
         self._sweeping = trio.CancelScope()  # the retention sweep's, see open_backend
 
@@ -886,10 +667,9 @@ class Backend:
     async def _create_from_template(
         self, key: str, policy: NetworkPolicy, mounts: tuple[Mount, ...], confinement: Confinement
     ) -> SessionHandle:
-        pool = self._ready_pool(key, mounts, confinement)
-        if pool is not None:
-            handle = pool.ready.popleft()
-            pool.wake.set()
+        if self._pool_serves(key, mounts, confinement):
+            with self._pools.taking(key, 1) as taken:
+                (handle,) = taken
             if policy != DENY_ALL:  # pooled sessions wait with no network at all
                 try:
                     await handle.session.set_network_policy(policy)
@@ -911,7 +691,7 @@ class Backend:
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
         layout = "overlay" if self._overlay else "copy"
-        description = self._new_description(key, layout, mounts, confinement)
+        description = new_description(self.name, key, layout, mounts, confinement)
         image = await trio.to_thread.run_sync(self._templates.image_of, key)
         if image is not None:
             description["image"] = image
@@ -932,7 +712,7 @@ class Backend:
         from under it (one from the fork pool may have mounted the layers by
         then; it is deleted if the snapshot is gone)."""
         layout = "overlay" if self._overlay else "copy"
-        if self._ready_pool(FORK_POOL, mounts, confinement) is not None:
+        if self._pool_serves(FORK_POOL, mounts, confinement):
             snapshot = await trio.to_thread.run_sync(self._read_own_snapshot, snapshot_id)
             _check_snapshot_image(snapshot, image)
             handed_out = await self._hand_out_forks(snapshot, 1, policy, mounts, confinement)
@@ -943,7 +723,7 @@ class Backend:
             with self._snapshots.locked():
                 stored = self._own_snapshot(snapshot_id)
                 _check_snapshot_image(stored, image)
-                description = self._new_description(stored.template, layout, mounts, confinement)
+                description = new_description(self.name, stored.template, layout, mounts, confinement)
                 description["snapshot"] = stored.id
                 if stored.image is not None:
                     description["image"] = stored.image
@@ -969,14 +749,13 @@ class Backend:
         with self._snapshots.locked():
             return self._own_snapshot(snapshot_id)
 
-    def _ready_pool(self, key: str, mounts: Sequence[Mount], confinement: Confinement) -> _Pool | None:
-        """The pool ``key`` if it has a session ready that can serve these:
-        pooled sessions have no mounts and the default confinement (and the
-        fork pool's an overlay workspace)."""
-        pool = self._pools.get(key)
-        if pool is None or not pool.ready or mounts or confinement != DEFAULT_CONFINEMENT:
-            return None
-        return pool if key != FORK_POOL or self._overlay else None
+    def _pool_serves(self, key: str, mounts: Sequence[Mount], confinement: Confinement) -> bool:
+        """Whether the pool ``key`` has a session ready that can serve
+        these: pooled sessions have no mounts and the default confinement
+        (and the fork pool's an overlay workspace)."""
+        if not self._pools.waiting(key) or mounts or confinement != DEFAULT_CONFINEMENT:
+            return False
+        return key != FORK_POOL or self._overlay
 
     async def _hand_out_forks(
         self, snapshot: Snapshot, n: int, policy: NetworkPolicy, mounts: Sequence[Mount], confinement: Confinement
@@ -986,9 +765,8 @@ class Backend:
         ``snapshot`` with ``policy``. One whose holder cannot take the
         layers is deleted and left out (the caller starts one afresh);
         should one fail otherwise, none is handed out."""
-        pool = self._ready_pool(FORK_POOL, mounts, confinement)
-        if pool is None or snapshot.image is not None:  # the pool's sessions run on the host's trees
-            return []
+        if not self._pool_serves(FORK_POOL, mounts, confinement) or snapshot.image is not None:
+            return []  # (the pool's sessions run on the host's trees)
         taken: list[SessionHandle] = []
 
         async def hand_out(handle: SessionHandle) -> None:
@@ -1004,16 +782,14 @@ class Backend:
                 raise
             await handle.delete()
 
-        handles = [pool.ready.popleft() for _ in range(min(n, len(pool.ready)))]
-        try:
-            await _together(*(functools.partial(hand_out, handle) for handle in handles))
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                for handle in taken:
-                    await handle.delete()
-            raise
-        finally:
-            pool.wake.set()  # their replacements start once these are handed out, not while
+        with self._pools.taking(FORK_POOL, n) as handles:
+            try:
+                await _together(*(functools.partial(hand_out, handle) for handle in handles))
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    for handle in taken:
+                        await handle.delete()
+                raise
         return taken
 
     async def _stand_on_snapshot(self, handle: SessionHandle, snapshot: Snapshot) -> bool:
@@ -1038,7 +814,7 @@ class Backend:
         def record() -> None:
             with self._snapshots.locked():
                 self._own_snapshot(snapshot.id)  # still there: not being deleted from under it
-                write_json(storage / "session.json", description)
+                write_description(storage, description)
 
         layers = [f"s/{layer}" for layer in snapshot.layers] + (
             [f"t/{snapshot.template}"] if snapshot.on_template else []
@@ -1065,7 +841,7 @@ class Backend:
         if not path.is_dir():
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"workspace {path} is not a directory")
         self._refuse_state_overlap(path, "workspace")
-        description = self._new_description(None, "bound", mounts, confinement)
+        description = new_description(self.name, None, "bound", mounts, confinement)
         description["workspace"] = str(path)
         if image is not None:
             description["image"] = image
@@ -1079,19 +855,6 @@ class Backend:
                 ErrorCode.SANDBOX_PATH_REFUSED,
                 f"{what} {path} overlaps the state directory {state}; a guest must never reach it",
             )
-
-    def _new_description(
-        self, key: str | None, layout: str, mounts: tuple[Mount, ...], confinement: Confinement
-    ) -> dict:
-        return {
-            "format": STATE_FORMAT,
-            "backend": self.name,
-            "template": key,
-            "session": secrets.token_hex(16),
-            "layout": layout,
-            "mounts": [{"host": m.host, "guest": m.guest, "writable": m.writable} for m in mounts],
-            "confinement": confinement.to_dict(),
-        }
 
     async def _make_session_dir(self, description: dict, confinement: Confinement) -> Path:
         return await trio.to_thread.run_sync(self._make_session_dir_now, description, confinement)
@@ -1114,7 +877,7 @@ class Backend:
                     (staging / "workspace").mkdir(mode=0o755)
                 else:
                     WorkspaceImage(staging).create(confinement.workspace_size, "workspace")
-                write_json(staging / "session.json", description)
+                write_description(staging, description)
                 final = self._sessions / description["session"]
                 os.rename(staging, final)
                 on_failure.pop_all()
@@ -1171,25 +934,30 @@ class Backend:
     ) -> SessionHandle:
         """Take the lease, mount a capped session's image, and start the
         session's sandbox (and its gateway, for an allow-list policy)."""
-        handle = SessionHandle(self, session_dir, description)
         async with contextlib.AsyncExitStack() as on_failure:
             if new:
                 on_failure.push_async_callback(trio.to_thread.run_sync, remove_tree, session_dir)
-            image = None if handle.image is None else await trio.to_thread.run_sync(self._session_image, description)
+            image = None
+            if "image" in description:
+                image = await trio.to_thread.run_sync(self._session_image, description)
             lease = await Lease.acquire(session_dir, self.state_directory)
             on_failure.callback(lease.release)
+            workspace_image = None
             if confinement.workspace_size is not None:
                 # In the host's mount namespace, before the sandbox starts:
                 # the drivers and the host's file API see only directories.
-                handle._image = WorkspaceImage(session_dir)
-                await trio.to_thread.run_sync(handle._image.mount)
-                on_failure.push_async_callback(_unmount, handle._image)
+                workspace_image = WorkspaceImage(session_dir)
+                await trio.to_thread.run_sync(workspace_image.mount)
+                on_failure.push_async_callback(_unmount, workspace_image)
             if "pending_snapshot" in description:
                 # Its owner died taking a snapshot: finish or undo that first.
-                storage = _storage_root(session_dir, confinement)
+                storage = storage_root(session_dir, confinement)
                 await trio.to_thread.run_sync(self._settle_snapshot, session_dir, description, storage)
+            # A gateway request counts as the session's activity. Only the
+            # guest reaches the gateway, and no guest runs before the
+            # handle below exists.
             network = SessionNetwork(
-                self._hub, self._nursery, handle.session_id, on_request=lambda: handle.session.touch()
+                self._hub, self._nursery, description["session"], on_request=lambda: handle.session.touch()
             )
             on_failure.push_async_callback(network.aclose)
             gateway = await network.prepare(policy)
@@ -1197,12 +965,18 @@ class Backend:
                 session_dir, description, confinement, policy, lease, gateway, new=new, layer_stores=layer_stores
             )
             on_failure.pop_all()
-        handle._driver = driver
-        handle._lease = lease
-        handle._network = network
-        handle.session = Session(driver, self._slots, network)
+        session = Session(driver, self._slots, network)
         if image is not None:
-            handle.session.environment = session_environment(image, DEFAULT_ENV, GATEWAY_ENVIRONMENT)
+            session.environment = session_environment(image, DEFAULT_ENV, GATEWAY_ENVIRONMENT)
+        handle = SessionHandle(
+            self,
+            session_dir,
+            description,
+            session=session,
+            lease=lease,
+            network=network,
+            workspace_image=workspace_image,
+        )
         self._live.add(handle)
         return handle
 
@@ -1219,7 +993,7 @@ class Backend:
         layer_stores: bool = False,
     ):
         layout = description["layout"]
-        storage = _storage_root(session_dir, confinement)
+        storage = storage_root(session_dir, confinement)
         workspace = Path(description["workspace"]) if layout == "bound" else storage / "workspace"
         overlay = None
         if layout == "overlay":
@@ -1283,7 +1057,7 @@ class Backend:
         description.pop("on_template", None)
         await trio.to_thread.run_sync(remove_tree, storage / "overlay-work")
         await self._fill(description, workspace)
-        await trio.to_thread.run_sync(write_json, session_dir / "session.json", description)
+        await trio.to_thread.run_sync(write_description, session_dir, description)
         return await self._driver_class.start(dataclasses.replace(plan, overlay=None))
 
     def _lower_layers(self, description: dict) -> list[Path]:
@@ -1354,7 +1128,7 @@ class Backend:
                 )
             self._refuse_state_overlap(workspace, "workspace")
         else:
-            workspace = _storage_root(handle._dir, confinement) / "workspace"
+            workspace = storage_root(handle._dir, confinement) / "workspace"
         snapshot_id = new_snapshot_id()
         known = {
             "id": snapshot_id,
@@ -1390,7 +1164,7 @@ class Backend:
                         freezing.upper_changed = True
                         await trio.to_thread.run_sync(self._stand_on_copy, handle, workspace)
                     else:
-                        await trio.to_thread.run_sync(write_json, handle._dir / "session.json", description)
+                        await trio.to_thread.run_sync(write_description, handle._dir, description)
                 restack = None
                 if layout == "overlay":
                     # In place only where the holder's handle on the upper
@@ -1411,7 +1185,7 @@ class Backend:
         # The record first: should this process die before the upper layer
         # is emptied, what is left there is in the copy below too.
         description["layers"], description["on_template"] = [description["snapshot"]], False
-        write_json(handle._dir / "session.json", description)
+        write_description(handle._dir, description)
         _empty_upper(workspace, self._snapshots.files_of(description["snapshot"]))
 
     def _store_copy(self, snapshot: Snapshot, sources: list[Path]) -> None:
@@ -1443,7 +1217,7 @@ class Backend:
             self._snapshots.begin(snapshot)
             try:
                 description["pending_snapshot"] = snapshot.id
-                write_json(session_dir / "session.json", description)
+                write_description(session_dir, description)
                 for name in (NEXT_UPPER, NEXT_WORK, OLD_WORK):
                     remove_tree(storage / name)
                 for name in (NEXT_UPPER, NEXT_WORK):
@@ -1490,7 +1264,7 @@ class Backend:
             store.abandon(snapshot_id)
             remove_tree(storage / NEXT_UPPER)
         remove_tree(storage / NEXT_WORK)
-        write_json(session_dir / "session.json", description)
+        write_description(session_dir, description)
 
     async def snapshots(self) -> list[Snapshot]:
         """Every snapshot in the state directory, oldest first."""
@@ -1520,7 +1294,7 @@ class Backend:
         key = check_key(template)
         if not self._templates.exists(key):
             raise SandboxError(ErrorCode.SANDBOX_NOT_FOUND, f"no template {key} in {self.state_directory}")
-        await self._fill_pool(key, size, functools.partial(self._create_fresh, key, DENY_ALL))
+        await self._pools.fill(key, size, functools.partial(self._create_fresh, key, DENY_ALL))
 
     async def pool_forks(self, *, size: int) -> None:
         """Keep ``size`` sessions started ahead for ``create(snapshot=...)``
@@ -1540,40 +1314,7 @@ class Backend:
             )
         blank = await self.prewarm(template="sandboxns-fork-pool", files={})
         make = functools.partial(self._create_fresh, blank.template_key, DENY_ALL, layer_stores=True)
-        await self._fill_pool(FORK_POOL, size, make)
-
-    async def _fill_pool(self, key: str, size: int, make: Callable[[], Awaitable[SessionHandle]]) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL_SIZE:
-            raise invalid_argument(f"size must be an integer from 0 to {MAX_POOL_SIZE}, not {size!r}")
-        pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = _Pool(key, size, make)
-            self._nursery.start_soon(self._keep_filled, pool)
-        pool.size = size
-        pool.failure = None
-        pool.wake.set()
-        while len(pool.ready) < size and pool.failure is None:
-            await pool.filled.wait()
-        while len(pool.ready) > size:
-            await pool.ready.pop().delete()
-        if pool.failure is not None:
-            raise pool.failure
-
-    async def _keep_filled(self, pool: _Pool) -> None:
-        """The pool's background task: start sessions until it is full,
-        then sleep until one is handed out or the size changes."""
-        while not self._closed:
-            while len(pool.ready) < pool.size and pool.failure is None and not self._closed:
-                try:
-                    handle = await pool.make()
-                except SandboxError as exc:
-                    pool.failure = exc  # reported to whoever waits in pool()
-                else:
-                    pool.ready.append(handle)
-                pool.filled.set()
-                pool.filled = trio.Event()
-            await pool.wake.wait()
-            pool.wake = trio.Event()
+        await self._pools.fill(FORK_POOL, size, make)
 
     async def collect_expired(self) -> list[str]:
         """Delete the stopped sessions of the state directory (this
@@ -1601,88 +1342,9 @@ class Backend:
         pooled ones nobody was given."""
         self._closed = True
         self._sweeping.cancel()
-        for pool in self._pools.values():
-            pool.wake.set()
-            while pool.ready:
-                await pool.ready.pop().delete()
+        await self._pools.aclose()
         for handle in list(self._live):
             await handle.shutdown()
-
-
-def _sessions_layers(state_directory: Path) -> dict[str, list[str]]:
-    """The snapshots each stored session stands on or is taking, by
-    "session <id>"."""
-    users = {}
-    for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
-        try:
-            description = read_description(state_directory, session_id)
-        except SandboxError:
-            continue  # gone meanwhile, or not usable anyway
-        layers, _ = stack_of(description)
-        users[f"session {session_id}"] = [*layers, *filter(None, [description.get("pending_snapshot")])]
-    return users
-
-
-def delete_snapshot(state_directory: Path, snapshot_id: str) -> None:
-    """See :meth:`Backend.delete_snapshot`; also for operators, without a
-    backend (``sandboxns snapshot delete``)."""
-    store = SnapshotStore(state_directory / "snapshots")
-    with store.locked():
-        store.delete(snapshot_id, {**store.users(), **_sessions_layers(state_directory)})
-
-
-def delete_image(state_directory: Path, digest: str) -> None:
-    """See :meth:`Backend.delete_image`; also for operators, without a
-    backend (``sandboxns image delete``). An image a session (live or
-    stopped) or a snapshot runs on is SANDBOX_BUSY, naming them: its files
-    are their root filesystem. A template's image may go: its sessions
-    cannot start (SANDBOX_NOT_FOUND) until the same image is imported
-    again, which gives the same digest."""
-    store = ImageStore(state_directory / "images")
-    with store.locked(exclusive=True):
-        store.get(digest)
-        users = []
-        for session_id in filter(SESSION_ID_PATTERN.fullmatch, session_ids(state_directory)):
-            with contextlib.suppress(SandboxError):  # gone meanwhile, or not usable anyway
-                if read_description(state_directory, session_id).get("image") == digest:
-                    users.append(f"session {session_id}")
-        users += [
-            f"snapshot {snapshot_id}" for snapshot_id in SnapshotStore(state_directory / "snapshots").on_image(digest)
-        ]
-        if users:
-            shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
-            raise SandboxError(ErrorCode.SANDBOX_BUSY, f"image {digest} is the root of {shown}; delete those first")
-        store.delete(digest)
-
-
-def sweep_snapshot_store(state_directory: Path) -> None:
-    """What a process that died while it made or deleted a snapshot left
-    (see SnapshotStore.sweep)."""
-    store = SnapshotStore(state_directory / "snapshots")
-    with store.locked():
-        store.sweep({layer for layers in _sessions_layers(state_directory).values() for layer in layers})
-
-
-def stored_session_state(state_directory: str | os.PathLike[str], session_id: str) -> dict:
-    """The descriptor (as :meth:`SessionHandle.capture_state` gives it) of
-    session ``session_id`` stored in ``state_directory``; names its backend,
-    so a caller knows which driver to open the backend with."""
-    if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
-        raise invalid_argument(f"{session_id!r} is not a session id (32 hex digits)")
-    description = read_description(Path(state_directory), session_id)
-    return {
-        "format": STATE_FORMAT,
-        "backend": description["backend"],
-        "template": description["template"],
-        "session": session_id,
-    }
-
-
-def default_state_directory() -> Path:
-    """Where sandboxns keeps state when nobody says otherwise:
-    ``$XDG_STATE_HOME/sandboxns``, or ``~/.local/state/sandboxns``."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "sandboxns"
 
 
 def _check_limit(value: object) -> int:

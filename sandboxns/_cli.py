@@ -17,15 +17,7 @@ from pathlib import Path
 
 import trio
 
-from ._backend import (
-    default_state_directory,
-    delete_expired_sessions,
-    delete_image,
-    delete_session,
-    delete_snapshot,
-    open_backend,
-    stored_session_state,
-)
+from ._backend import open_backend
 from ._errors import ErrorCode, SandboxError
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status, session_ids
@@ -35,6 +27,14 @@ from ._rootfs_images import ImageStore, check_digest
 from ._session import DEFAULT_TIMEOUT, Session
 from ._snapshots import SnapshotStore, snapshot_id_of
 from ._spec import SandboxSpec
+from ._state import (
+    default_state_directory,
+    delete_expired_sessions,
+    delete_image,
+    delete_session,
+    delete_snapshot,
+    stored_session_state,
+)
 
 # Exit statuses of `sandboxns run` itself, as coreutils' timeout and env use them.
 EXIT_TIMED_OUT = 124

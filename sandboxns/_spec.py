@@ -56,7 +56,6 @@ from ._backend import (
     MAX_CONCURRENT_COMMANDS_LIMIT,
     Backend,
     SessionHandle,
-    default_state_directory,
     open_backend,
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
@@ -75,6 +74,7 @@ from ._session import (
     RunResult,
     Session,
 )
+from ._state import default_state_directory
 from ._templates import check_template_files
 
 SPEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

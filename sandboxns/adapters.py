@@ -54,7 +54,7 @@ from pathlib import Path
 
 import trio
 
-from ._backend import SessionHandle, open_backend, stored_session_state
+from ._backend import SessionHandle, open_backend
 from ._driver import Mount
 from ._errors import ErrorCode, SandboxError
 from ._layers import remove_tree
@@ -63,6 +63,7 @@ from ._network import check_network_policy
 from ._paths import WORKSPACE, normalize_path
 from ._rootfs_images import check_digest
 from ._session import RunResult, check_seconds
+from ._state import stored_session_state
 
 __all__ = [
     "ImageSandbox",

@@ -17,6 +17,8 @@ FORBIDDEN = {
     "_bwrap": {"_native", "_registry", "_session", "_open", "_backend", "_templates"},
     "_templates": {"_session", "_open", "_backend"},
     "_registry": {"_session", "_open", "_backend"},
+    "_state": {"_backend", "_pool", "_open", "_native", "_bwrap"},
+    "_pool": {"_backend", "_state", "_session", "_open", "_native", "_bwrap"},
 }
 
 

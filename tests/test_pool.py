@@ -33,7 +33,7 @@ async def test_a_pooled_session_is_a_fresh_session(backend):
         await backend.create(template=key, state=second.capture_state())
     assert error.value.code == ErrorCode.SANDBOX_BUSY
     await backend.pool(template=key, size=2)  # refilled in the background; this waits for it
-    assert len(backend._pools[key].ready) == 2
+    assert len(backend._pools.waiting(key)) == 2
 
 
 async def test_the_policy_is_applied_at_hand_out(backend):

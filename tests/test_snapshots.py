@@ -473,7 +473,7 @@ async def test_forks_from_the_pool_are_whole_sessions_of_the_snapshot(backend):
         return
     template = await backend.prewarm(template="pooled", files={"a": b"template\n", "gone": b"x"})
     await backend.pool_forks(size=2)
-    pooled = {handle.session_id for handle in backend._pools["forks"].ready}
+    pooled = {handle.session_id for handle in backend._pools.waiting("forks")}
     async with await backend.create(template=template.template_key) as origin:
         await sh(origin, "echo origin > b; rm gone")
         forks = await origin.fork(3)  # two from the pool, one started afresh
@@ -547,7 +547,7 @@ async def test_pooled_forks_take_the_lifetime_they_are_given(backend):
         pytest.skip("the fork pool needs the native driver's overlays")
     template = await backend.prewarm(template="lifetime", files={})
     await backend.pool_forks(size=1)
-    pooled = {handle.session_id for handle in backend._pools["forks"].ready}
+    pooled = {handle.session_id for handle in backend._pools.waiting("forks")}
     async with await backend.create(template=template.template_key) as origin:
         [fork] = await origin.fork(1, retention=60, destroy_on_close=True, idle_timeout=600)
         assert fork.session_id in pooled

@@ -639,7 +639,7 @@ async def test_a_damaged_or_edited_session_record_is_refused_whole(backend, tmp_
             path.write_bytes(content)
             await refused(ErrorCode.SANDBOX_STATE_MISMATCH, backend.create(template=template.template_key, state=state))
             with pytest.raises(SandboxError) as error:
-                sandboxns._backend.stored_session_state(backend.state_directory, handle.session_id)
+                sandboxns._state.stored_session_state(backend.state_directory, handle.session_id)
             assert error.value.code == ErrorCode.SANDBOX_STATE_MISMATCH, content[:80]
         for replace in (lambda: path.symlink_to(tmp_path / "copy.json"), lambda: os.mkfifo(path)):
             path.unlink()
