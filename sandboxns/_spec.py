@@ -45,6 +45,7 @@ import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,7 +60,7 @@ from ._backend import (
     open_backend,
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
-from ._errors import ErrorCode, SandboxError
+from ._errors import ErrorCode, SandboxError, invalid_argument
 from ._network import AllowedOrigin, NetworkPolicy, Origin, check_network_policy, header_name_problem, parse_origin
 from ._registry import DRIVERS
 from ._rootfs_images import check_digest
@@ -258,10 +259,29 @@ class SandboxSpec:
     with :meth:`build`."""
 
     def __init__(self, document: object, *, base: Path, source: str = "<dict>", load_problem: str = "") -> None:
-        self.document = document
-        self.base = base  # relative template and workspace paths start here
-        self.source = source
+        self._document = document
+        self._base = base
+        self._source = source
         self._load_problem = load_problem
+        # Checked once, now: a spec is a value, and everything it says is
+        # read from what this found.
+        self._problems, self._resolved = self._examine()
+
+    @property
+    def document(self) -> object:
+        """The document as given (parsed from its file); the spec was
+        resolved from it when made, so changing it later changes nothing."""
+        return self._document
+
+    @property
+    def base(self) -> Path:
+        """Where the spec's relative template and workspace paths start."""
+        return self._base
+
+    @property
+    def source(self) -> str:
+        """The spec's file, or "<dict>"."""
+        return self._source
 
     def __repr__(self) -> str:
         spec_id = self.document.get("id") if isinstance(self.document, Mapping) else None
@@ -297,7 +317,7 @@ class SandboxSpec:
         what in a template directory is not a directory or regular file.
         (Building reads that directory once, refusing the same things,
         before it starts anything.)"""
-        problems, resolved = self._examine()
+        problems, resolved = list(self._problems), self._resolved
         if resolved is not None and isinstance(resolved.template, Path) and resolved.template.is_dir():
             problems += [SpecProblem("template.files", problem) for problem in _template_problems(resolved.template)]
         return problems
@@ -310,11 +330,11 @@ class SandboxSpec:
         return _check(self.document, self.base)
 
     def _checked(self) -> _Resolved:
-        problems, resolved = self._examine()
-        if problems:
-            listing = "; ".join(map(str, problems))
+        if self._problems:
+            listing = "; ".join(map(str, self._problems))
             raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"invalid sandbox spec {self.source}: {listing}")
-        return resolved
+        assert self._resolved is not None
+        return self._resolved
 
     @property
     def id(self) -> str:
@@ -412,15 +432,23 @@ class SandboxSpec:
         state_directory: str | os.PathLike[str] | None = None,
         host_env: Mapping[str, str] | None = None,
         credential_env: Sequence[str] = (),
+        nursery: trio.Nursery | None = None,
         **backend_options: Any,
     ) -> _Building:
         """Start the sandbox: a backend over ``state_directory`` (default:
         the user's state directory) and one session in it, configured from
         the spec, with the environment :meth:`environment` gives for
-        ``host_env`` and ``credential_env``. Use ``async with spec.build()
-        as sandbox:``, or ``sandbox = await spec.build()`` and later ``await
-        sandbox.aclose()`` in the same task. Nothing starts for an invalid
+        ``host_env`` and ``credential_env``. Nothing starts for an invalid
         spec.
+
+        Use ``async with spec.build() as sandbox:`` (the backend lives in
+        the block), or ``sandbox = await spec.build(nursery=nursery)`` and
+        later ``await sandbox.aclose()``: the backend then lives in
+        ``nursery``, and is shut down should that nursery be cancelled
+        first. An awaited build without a nursery keeps its backend in a
+        trio system task (an awaited call returns, so nothing of the
+        caller's can hold it) until :meth:`SpecSandbox.aclose` or the end of
+        ``trio.run``.
 
         The ``install`` packages are installed in the new session before it
         is handed out, through its network policy; the sandbox's
@@ -428,7 +456,9 @@ class SandboxSpec:
         fails is SANDBOX_UNAVAILABLE naming the packages and quoting its
         last lines, and the session is deleted (a host directory it was
         bound to keeps what the tool wrote there)."""
-        return _Building(self, state_directory, host_env, credential_env, backend_options)
+        if nursery is not None and not isinstance(nursery, trio.Nursery):
+            raise invalid_argument(f"nursery must be a trio.Nursery or None, not {nursery!r}")
+        return _Building(self, state_directory, host_env, credential_env, nursery, backend_options)
 
     async def create_session(
         self, backend: Backend, *, host_env: Mapping[str, str] | None = None, credential_env: Sequence[str] = ()
@@ -602,7 +632,7 @@ class _HeaderReference:
 @dataclass(frozen=True)
 class _Egress:
     origin: str
-    headers: dict[str, _HeaderReference]
+    headers: Mapping[str, _HeaderReference]
 
 
 @dataclass(frozen=True)
@@ -616,14 +646,14 @@ class _Install:
 
 @dataclass(frozen=True)
 class _Resolved:
-    """A valid spec's values, defaults filled in."""
+    """A valid spec's values, defaults filled in; nothing in it changes."""
 
     id: str
     driver: str
-    template: Path | dict[str, str]
+    template: Path | Mapping[str, str]
     workspace: Path | None
     image: str | Path | None  # a digest, or what to import
-    vars: dict[str, str]
+    vars: Mapping[str, str]
     passthrough: tuple[str, ...]
     auto_passthrough: bool
     egress: str | tuple[_Egress, ...]
@@ -764,10 +794,10 @@ def _check(document: object, base: Path) -> tuple[list[SpecProblem], _Resolved]:
     resolved = _Resolved(
         id=spec_id or "",
         driver=driver,
-        template=template,
+        template=template if isinstance(template, Path) else MappingProxyType(template),
         workspace=workspace,
         image=image,
-        vars=variables,
+        vars=MappingProxyType(variables),
         passthrough=tuple(name for name in passthrough if isinstance(name, str)),
         auto_passthrough=auto_passthrough,
         egress=egress,
@@ -1015,7 +1045,7 @@ def _check_egress(c: _Checker, egress: object) -> str | tuple[_Egress, ...]:
             elif env_name is not None and prefix is not None:
                 headers[name.lower()] = _HeaderReference(env_name, prefix)
         if origin is not None:
-            entries.append(_Egress(origin, headers))
+            entries.append(_Egress(origin, MappingProxyType(headers)))
     return tuple(entries)
 
 
@@ -1072,11 +1102,12 @@ class _Building:
     """What :meth:`SandboxSpec.build` returns: use it once, as an async
     context manager or by awaiting it."""
 
-    def __init__(self, spec: SandboxSpec, state_directory, host_env, credential_env, backend_options) -> None:
+    def __init__(self, spec: SandboxSpec, state_directory, host_env, credential_env, nursery, backend_options) -> None:
         self._spec = spec
         self._state_directory = state_directory
         self._host_env = host_env
         self._credential_env = credential_env
+        self._nursery = nursery
         self._backend_options = backend_options
         self._used = False
         self._context: contextlib.AbstractAsyncContextManager[SpecSandbox] | None = None
@@ -1111,6 +1142,10 @@ class _Building:
                 await handle.aclose()
 
     async def __aenter__(self) -> SpecSandbox:
+        if self._nursery is not None:
+            raise invalid_argument(
+                "nursery= is for 'await spec.build(...)'; 'async with' keeps the backend in its block"
+            )
         self._claim()
         self._context = self._opened()
         return await self._context.__aenter__()
@@ -1124,10 +1159,11 @@ class _Building:
         return self._detached().__await__()
 
     async def _detached(self) -> SpecSandbox:
-        """The awaited form. The backend's nursery cannot live in the
-        caller's task (the caller's own cancel scopes would then nest
-        wrongly around it), so it lives in a trio system task until
-        :meth:`SpecSandbox.aclose`, or until trio.run ends."""
+        """The awaited form. The backend's own nursery cannot be opened in
+        the caller's task and left open when this returns (the caller's
+        cancel scopes would then nest wrongly around it), so it lives in a
+        task of the caller's nursery, or else a trio system task, until
+        :meth:`SpecSandbox.aclose`."""
         ready, release, done = trio.Event(), trio.Event(), trio.Event()
         outcome: dict[str, Any] = {}
 
@@ -1150,7 +1186,10 @@ class _Building:
             if "error" in outcome:
                 raise outcome.pop("error")
 
-        trio.lowlevel.spawn_system_task(keep)
+        if self._nursery is None:
+            trio.lowlevel.spawn_system_task(keep)
+        else:
+            self._nursery.start_soon(keep)
         try:
             await ready.wait()
         except BaseException:

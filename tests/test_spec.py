@@ -476,3 +476,46 @@ deny = "uname"
         "seccomp.allow",
         "seccomp.deny",
     }
+
+
+async def test_an_awaited_build_lives_in_the_given_nursery(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "nursed", "template": {"files": {"a.txt": "a"}}})
+    async with trio.open_nursery() as nursery:
+        sandbox = await spec.build(state_directory=tmp_path / "state", nursery=nursery)
+        assert (await sandbox.session.run("cat", ["a.txt"])).stdout == "a"
+        nursery.cancel_scope.cancel()  # the nursery's end ends the sandbox
+    assert not sandbox.handle.live
+    await refused(ErrorCode.SANDBOX_STOPPED, sandbox.session.run("true"))
+    await sandbox.aclose()  # and closing it afterwards is harmless
+    async with sandboxns.open_backend(state_directory=tmp_path / "state") as backend:
+        # Stopped cleanly, so it resumes.
+        resumed = await backend.create(state=sandbox.handle.capture_state(), template=sandbox.handle.template_key)
+        await resumed.aclose()
+
+
+async def test_nursery_is_only_for_the_awaited_form(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "nursed"})
+    async with trio.open_nursery() as nursery:
+        building = spec.build(state_directory=tmp_path / "state", nursery=nursery)
+        with pytest.raises(SandboxError) as error:
+            async with building:
+                pass
+        assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    with pytest.raises(SandboxError) as error:
+        spec.build(nursery="mine")
+    assert error.value.code == ErrorCode.SANDBOX_INVALID_ARGUMENT
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_spec_is_resolved_once_when_it_is_made():
+    document = {"id": "fixed", "env": {"vars": {"A": "1"}}}
+    spec = SandboxSpec.from_dict(document)
+    document["id"] = "changed"
+    document["env"]["vars"]["A"] = "2"
+    document["limits"] = {"timeout": "soon"}
+    assert spec.id == "fixed" and spec.validate() == []
+    assert spec.environment({})["A"] == "1"
+    with pytest.raises(AttributeError):
+        spec.document = {}  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec._checked().vars["A"] = "3"  # type: ignore[index]
