@@ -13,8 +13,8 @@ from ._coding import (
     CodingLimits,
     CodingTools,
     Tool,
-    create_sandbox_coding_tools,
 )
+from ._coding_tools import create_sandbox_coding_tools
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess, StartPlan
 from ._errors import ErrorCode, SandboxError

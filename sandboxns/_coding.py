@@ -14,12 +14,14 @@ contained view of the workspace (see _coding_files); commands run inside the
 sandbox under the backend's admission limit. Nothing the tools return names a
 host path, and the tools themselves cannot be serialised into model input or
 stored state.
+
+This module holds what the tools share and what their callers see (limits,
+hooks, operations, refusals, the tool set, the workspace they act on); the
+tools themselves, by family, are in _coding_tools.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import os
 import secrets
@@ -27,15 +29,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import regex
 import trio
 
 from . import _coding_files as files
 from ._errors import ErrorCode, SandboxError
-from ._files import HostWorkspaceIO
 from ._paths import WORKSPACE
 from ._pump import OutputCollector
-from ._session import RunResult, Session, check_command
+from ._session import RunResult, Session
 
 RESTRICTIONS = ("network-denied", "write-contained", "process-contained", "secrets-hidden")
 DEFAULT_EXECUTABLES: Mapping[str, str] = {"shell": "/usr/bin/sh"}
@@ -277,7 +277,7 @@ class Tool:
 class CodingTools:
     """The coding tools of one session handle."""
 
-    def __init__(self, tools: list[Tool], binding: _Binding) -> None:
+    def __init__(self, tools: list[Tool], binding: ToolBinding) -> None:
         self._tools = {tool.name: tool for tool in tools}
         self._binding = binding
 
@@ -396,10 +396,10 @@ class WorkspaceTarget:
         return dict(self.session.environment)
 
     async def run_probe(self) -> RunResult:
-        """The restriction probe's run (see _grade)."""
+        """The restriction probe's run (see grade_probe)."""
         # The host's home goes in on stdin: an argument would show in /proc.
         return await self.session.run(
-            "/bin/sh", ["-c", _PROBE], env={}, stdin=os.path.expanduser("~") + "\n", timeout=10
+            "/bin/sh", ["-c", PROBE], env={}, stdin=os.path.expanduser("~") + "\n", timeout=10
         )
 
     async def network_state(self) -> tuple[str, int]:
@@ -437,7 +437,7 @@ class WorkspaceTarget:
         return CapturedRun(result, result.stdout_bytes, result.stderr_bytes, capture.truncated)
 
 
-class _Binding:
+class ToolBinding:
     """The host-only link from tools to a session: never shown to a model."""
 
     def __init__(self, target: Any, hooks: CodingHooks) -> None:
@@ -468,7 +468,7 @@ class _Binding:
 
 
 # The probe: what the guest can actually see and do, checked for real.
-_PROBE = r"""
+PROBE = r"""
 interfaces=$(awk -F: 'NR>2 {gsub(/ /, "", $1); print $1}' /proc/net/dev | grep -v '^lo$' | wc -l)
 echo "interfaces=$interfaces"
 touch /probe-root 2>/dev/null && echo "root-writable=1" || echo "root-writable=0"
@@ -482,7 +482,7 @@ test -e "$home" && echo "host-home=1" || echo "host-home=0"
 """
 
 
-def _grade(result: RunResult) -> dict[str, bool]:
+def grade_probe(result: RunResult) -> dict[str, bool]:
     """The restrictions the probe's run shows."""
     facts = dict(line.split("=", 1) for line in result.stdout.split() if "=" in line)
     if result.exit_code != 0 or len(facts) != 8:
@@ -498,7 +498,7 @@ def _grade(result: RunResult) -> dict[str, bool]:
     }  # fmt: skip
 
 
-def _missing(required: Sequence[str], grade: Mapping[str, bool], policy_kind: str) -> list[str]:
+def missing_restrictions(required: Sequence[str], grade: Mapping[str, bool], policy_kind: str) -> list[str]:
     """The required restrictions the probe did not see, or the current
     policy no longer gives."""
     return [
@@ -507,22 +507,7 @@ def _missing(required: Sequence[str], grade: Mapping[str, bool], policy_kind: st
     ]  # fmt: skip
 
 
-# Argument checking: the model's input is untrusted.
-def _argument(arguments: dict, name: str, kind: type | tuple, default: Any = ...) -> Any:
-    if name not in arguments:
-        if default is ...:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"missing argument {name!r}")
-        return default
-    value = arguments[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be {expected}")
-    if isinstance(value, str):
-        _check_text(value, name)
-    return value
-
-
-def _check_text(value: str, name: str) -> None:
+def check_text(value: str, name: str) -> None:
     """Refuse what cannot be UTF-8 (lone surrogates from JSON's \\ud800)."""
     try:
         value.encode("utf-8")
@@ -536,7 +521,7 @@ def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> s
     segment, nothing that needs normalising."""
     if not isinstance(path, str) or not path:
         raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must be a non-empty string")
-    _check_text(path, name)
+    check_text(path, name)
     if len(path.encode()) > limits.max_path_bytes:
         raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"{name} is longer than {limits.max_path_bytes} bytes")
     if "\\" in path or "\0" in path:
@@ -552,488 +537,3 @@ def check_tool_path(path: object, limits: CodingLimits, name: str = "path") -> s
     if any(segment in ("", ".", "..") for segment in segments):
         raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, f"{name} has an empty, '.' or '..' segment")
     return f"{WORKSPACE}/{'/'.join(segments)}"
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-async def create_sandbox_coding_tools(
-    handle: Any,
-    *,
-    authorize: Callable[[Operation], bool | Awaitable[bool]],
-    authorize_path: Callable[[str], bool | Awaitable[bool]] | None = None,
-    executables: Mapping[str, str] = DEFAULT_EXECUTABLES,
-    environment: Mapping[str, str] | None = None,
-    required_restrictions: Sequence[str] = RESTRICTIONS,
-    limits: CodingLimits = CodingLimits(),
-    hooks: CodingHooks = CodingHooks(),
-    artifacts: ArtifactStore | None = None,
-) -> CodingTools:
-    """The coding tools for a session handle (or a :class:`Session`); see
-    the module docstring and the README."""
-    coding_target = getattr(handle, "coding_target", None)
-    if callable(coding_target):
-        target = coding_target()  # a session elsewhere (sandboxns.ray)
-    else:
-        session = handle.session if hasattr(handle, "session") else handle
-        if not isinstance(session, Session) or not isinstance(session.driver, HostWorkspaceIO):
-            raise SandboxError(
-                ErrorCode.SANDBOX_UNAVAILABLE, "this sandbox has no host-side workspace binding for coding tools"
-            )
-        target = WorkspaceTarget(handle, session)
-    if not callable(authorize) or (authorize_path is not None and not callable(authorize_path)):
-        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "authorize and authorize_path must be callables")
-    unknown = set(required_restrictions) - set(RESTRICTIONS)
-    if unknown:
-        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"unknown restrictions {sorted(unknown)}")
-    if (
-        not isinstance(executables, Mapping)
-        or not executables
-        or not all(isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in executables.items())
-    ):
-        raise SandboxError(ErrorCode.SANDBOX_INVALID_ARGUMENT, "executables must map aliases to absolute guest paths")
-    binding = _Binding(target, hooks)
-    binding.check_live()
-    env = await target.environment() if environment is None else dict(environment)
-    try:
-        binding.grade = _grade(await target.run_probe())
-        policy_kind, _ = await target.network_state()
-    except Exception as exc:  # whatever broke, the host's hook hears of it
-        if isinstance(exc, SandboxError) and exc.code in PROBE_REFUSED_AS_IS:
-            raise
-        binding.report(CREATING_TOOLS, exc)
-        raise SandboxError(ErrorCode.SANDBOX_UNAVAILABLE, UNAVAILABLE_REASON) from exc
-    missing = _missing(required_restrictions, binding.grade, policy_kind)
-    if missing:
-        raise SandboxError(ErrorCode.SANDBOX_INSUFFICIENT, f"the session does not provide {', '.join(missing)}")
-    implementation = _Implementation(
-        binding, authorize, authorize_path, dict(executables), env, tuple(required_restrictions), limits,
-        artifacts or ArtifactStore(limits.max_artifacts, limits.max_artifact_store_bytes),
-    )  # fmt: skip
-    return CodingTools(implementation.tools(), binding)
-
-
-class _Implementation:
-    def __init__(
-        self,
-        binding: _Binding,
-        authorize: Callable,
-        authorize_path: Callable | None,
-        executables: dict[str, str],
-        environment: dict[str, str],
-        required: tuple[str, ...],
-        limits: CodingLimits,
-        artifacts: ArtifactStore,
-    ) -> None:
-        self.binding = binding
-        self._authorize = authorize
-        self._authorize_path = authorize_path
-        self.executables = executables
-        self.environment = environment
-        self.required = required
-        self.limits = limits
-        self.artifacts = artifacts
-
-    # -- authorization ---------------------------------------------------
-    async def authorize(self, operation: Operation) -> None:
-        if await _maybe_await(self._authorize(operation)) is not True:
-            raise ToolRefusal(FORBIDDEN, f"the host does not allow this {operation.kind}")
-
-    async def path_allowed(self, guest_path: str) -> bool:
-        """authorize_path for each ancestor, then the path itself."""
-        if self._authorize_path is None or guest_path == WORKSPACE:
-            return True
-        parts = guest_path[len(WORKSPACE) + 1 :].split("/")
-        for i in range(1, len(parts) + 1):
-            if await _maybe_await(self._authorize_path(f"{WORKSPACE}/{'/'.join(parts[:i])}")) is not True:
-                return False
-        return True
-
-    async def require_path(self, guest_path: str) -> None:
-        if not await self.path_allowed(guest_path):
-            raise ToolRefusal(FORBIDDEN, f"the host does not allow {guest_path}")
-
-    async def call_files(self, function, *args):
-        self.binding.check_live()
-        # Activity, and refused during a snapshot, as the Session's own file methods are.
-        return await self.binding.target.workspace_call(function, *args)
-
-    # -- tools -------------------------------------------------------------
-    def tools(self) -> list[Tool]:
-        path = {"type": "string", "description": "workspace-relative path, or /workspace/..."}
-        return [
-            Tool("read_file", "Read a text file of the workspace, a slice at a time. Bytes that are not UTF-8 "
-                 "are shown as U+FFFD; the result then has replaced_invalid_utf8: true and invalid_utf8_offsets "
-                 f"(the file offsets of the first {INVALID_OFFSETS_SHOWN} such sequences).", _schema(
-                {"path": path, "offset": {"type": "integer", "minimum": 0, "default": 0},
-                 "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
-                ["path"]), self.read_file),
-            Tool("write_file", "Create a file (and its parent directories), or replace one with overwrite=true.",
-                 _schema({"path": path, "content": {"type": "string"}, "overwrite": {"type": "boolean", "default": False}},
-                         ["path", "content"]), self.write_file),
-            Tool("edit_file", "Replace an exact snippet of a file (once, or every occurrence with replace_all).",
-                 _schema({"path": path, "old_text": {"type": "string"}, "new_text": {"type": "string"},
-                          "replace_all": {"type": "boolean", "default": False},
-                          "expected_sha256": {"type": "string", "description": "sha256 from read_file; refuse if the file changed"},
-                          "dry_run": {"type": "boolean", "default": False}},
-                         ["path", "old_text", "new_text"]), self.edit_file),
-            Tool("list_directory", "List a workspace directory.", _schema({"path": {**path, "default": "."}}, []),
-                 self.list_directory),
-            Tool("glob", "Find workspace paths matching a glob (** spans directories).",
-                 _schema({"pattern": {"type": "string"}, "path": {**path, "default": "."}}, ["pattern"]), self.glob),
-            Tool("search_files", "Search file contents (or paths) for a literal string or a regular expression.",
-                 _schema({"query": {"type": "string"}, "regex": {"type": "boolean", "default": False},
-                          "path": {**path, "default": "."}, "include": {"type": "string", "description": "glob of files to search"},
-                          "search_paths": {"type": "boolean", "default": False},
-                          "context_lines": {"type": "integer", "minimum": 0, "maximum": 10, "default": 0}},
-                         ["query"]), self.search_files),
-            Tool("run_command", f"Run a command in the sandbox. executable is one of: {', '.join(self.executables)}.",
-                 _schema({"executable": {"type": "string", "enum": list(self.executables)},
-                          "args": {"type": "array", "items": {"type": "string"}},
-                          "cwd": {**path, "default": "."}}, ["executable"]), self.run_command),
-            Tool("read_output", "Page through the full output of an earlier run_command.",
-                 _schema({"reference": {"type": "string"}, "stream": {"type": "string", "enum": ["stdout", "stderr"]},
-                          "offset": {"type": "integer", "minimum": 0, "default": 0},
-                          "max_bytes": {"type": "integer", "minimum": 1, "maximum": self.limits.max_read_bytes}},
-                         ["reference"]), self.read_output),
-            Tool("search_output", "Search the full output of an earlier run_command.",
-                 _schema({"reference": {"type": "string"}, "query": {"type": "string"},
-                          "regex": {"type": "boolean", "default": False}}, ["reference", "query"]), self.search_output),
-        ]  # fmt: skip
-
-    async def read_file(self, arguments: dict) -> dict:
-        guest_path = check_tool_path(arguments.get("path"), self.limits)
-        offset = _argument(arguments, "offset", int, 0)
-        max_bytes = min(_argument(arguments, "max_bytes", int, self.limits.max_read_bytes), self.limits.max_read_bytes)
-        if offset < 0 or max_bytes < 1:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "offset must be >= 0 and max_bytes >= 1")
-        await self.require_path(guest_path)
-        await self.authorize(ReadOperation(guest_path, offset, max_bytes))
-        result = await self.call_files(
-            files.read_slice, guest_path, offset, max_bytes, self.limits.max_hashed_file_bytes
-        )
-        reply = {
-            "path": guest_path,
-            "text": result.data.decode("utf-8", "replace"),
-            "bytes": len(result.data),
-            "offset": result.offset,
-            "size": result.size,
-            "sha256": result.sha256,
-            "truncated": result.next_offset is not None,
-            "next_offset": result.next_offset,
-        }
-        invalid = files.invalid_utf8_offsets(result.data, INVALID_OFFSETS_SHOWN)
-        if invalid:  # the model must not take a U+FFFD for the file's content
-            reply["replaced_invalid_utf8"] = True
-            reply["invalid_utf8_offsets"] = [result.offset + position for position in invalid]
-        return reply
-
-    async def write_file(self, arguments: dict) -> dict:
-        guest_path = check_tool_path(arguments.get("path"), self.limits)
-        content = _argument(arguments, "content", str).encode("utf-8")
-        overwrite = _argument(arguments, "overwrite", bool, False)
-        if guest_path == WORKSPACE:
-            raise ToolRefusal(ErrorCode.SANDBOX_PATH_REFUSED, "the workspace itself is not a file")
-        if len(content) > self.limits.max_write_bytes:
-            raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"content is over {self.limits.max_write_bytes} bytes")
-        await self.require_path(guest_path)
-        creates = tuple(await self.call_files(files.missing_directories, guest_path))
-        await self.authorize(WriteOperation(guest_path, len(content), overwrite, creates))
-        try:
-            created = await self.call_files(files.write_atomically, guest_path, content, overwrite, None, creates)
-        except files.StaleError:
-            raise ToolRefusal(
-                EDIT_STALE, f"the directories above {guest_path} changed while the write was authorized", "call again"
-            ) from None
-        return {"path": guest_path, "bytes": len(content), "created_directories": created,
-                "sha256": hashlib.sha256(content).hexdigest()}  # fmt: skip
-
-    async def edit_file(self, arguments: dict) -> dict:
-        guest_path = check_tool_path(arguments.get("path"), self.limits)
-        old_text = _argument(arguments, "old_text", str)
-        new_text = _argument(arguments, "new_text", str)
-        replace_all = _argument(arguments, "replace_all", bool, False)
-        expected = _argument(arguments, "expected_sha256", str, None)
-        dry_run = _argument(arguments, "dry_run", bool, False)
-        if not old_text:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "old_text must not be empty")
-        await self.require_path(guest_path)
-        # An edit reads the file, and its refusals (no match, ambiguous,
-        # stale) tell about its content: the host must allow the read first.
-        await self.authorize(ReadOperation(guest_path, 0, self.limits.max_write_bytes))
-        # One edit at a time per tools object, and a re-check of the base
-        # just before the rename, so two edits from one base never both land.
-        async with self.binding.edit_lock:
-            base = await self.call_files(files.read_whole, guest_path, self.limits.max_write_bytes)
-            base_sha = hashlib.sha256(base).hexdigest()
-            if expected is not None and expected != base_sha:
-                raise ToolRefusal(EDIT_STALE, f"{guest_path} changed since it was read", "read it again")
-            try:
-                text = base.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{guest_path} is not UTF-8 text") from None
-            count = text.count(old_text)
-            if count == 0:
-                raise ToolRefusal(EDIT_NO_MATCH, f"old_text does not occur in {guest_path}", "read the file again")
-            if count > 1 and not replace_all:
-                raise ToolRefusal(
-                    EDIT_AMBIGUOUS, f"old_text occurs {count} times in {guest_path}",
-                    "add surrounding lines to make it unique, or pass replace_all=true",
-                )  # fmt: skip
-            result = text.replace(old_text, new_text) if replace_all else text.replace(old_text, new_text, 1)
-            data = result.encode("utf-8")
-            if len(data) > self.limits.max_write_bytes:
-                raise ToolRefusal(ErrorCode.SANDBOX_LIMIT, f"the result is over {self.limits.max_write_bytes} bytes")
-            result_sha = hashlib.sha256(data).hexdigest()
-            replacements = count if replace_all else 1
-            await self.authorize(EditOperation(guest_path, base_sha, result_sha, replacements, dry_run))
-            if not dry_run:
-                try:
-                    await self.call_files(files.write_atomically, guest_path, data, True, base_sha)
-                except files.StaleError:
-                    raise ToolRefusal(EDIT_STALE, f"{guest_path} changed during the edit", "read it again") from None
-        return {"path": guest_path, "replacements": replacements, "dry_run": dry_run,
-                "base_sha256": base_sha, "sha256": result_sha}  # fmt: skip
-
-    async def list_directory(self, arguments: dict) -> dict:
-        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
-        await self.require_path(guest_path)
-        await self.authorize(ListOperation(guest_path))
-        entries = await self.call_files(files.list_directory, guest_path)
-        limit = self.limits.max_list_entries
-        shown, denied = [], []
-        for entry in entries[: limit + 1]:  # the host is asked about no more than can be shown
-            if await self.path_allowed(entry.path):
-                shown.append({"name": entry.path.rsplit("/", 1)[1], "kind": entry.kind, "size": entry.size})
-            else:
-                denied.append(entry.path.rsplit("/", 1)[1])
-        truncated = len(entries) > limit
-        return {"path": guest_path, "entries": shown[:limit], "truncated": truncated, "denied": denied}
-
-    async def _walk(self, guest_path: str) -> tuple[list[files.Entry], list[str]]:
-        """Entries under a directory the host allows (denied ones listed
-        apart), bounded by the search limits."""
-        allowed_cache: dict[str, bool] = {}
-        denied: list[str] = []
-        # The walk runs in a worker thread; authorize_path (maybe async) is
-        # asked afterwards, and a denied directory hides all beneath it.
-        entries = await self.call_files(
-            files.walk, guest_path, self.limits.max_search_depth, self.limits.max_search_files
-        )
-        kept = []
-        for entry in entries:
-            parent = entry.path.rsplit("/", 1)[0]
-            if parent != guest_path and not allowed_cache.get(parent, True):
-                allowed_cache[entry.path] = False
-                continue
-            ok = await self.path_allowed(entry.path)
-            allowed_cache[entry.path] = ok
-            if ok:
-                kept.append(entry)
-            else:
-                denied.append(entry.path)
-        return kept, denied
-
-    async def glob(self, arguments: dict) -> dict:
-        pattern = self._pattern(arguments, "pattern")
-        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
-        await self.require_path(guest_path)
-        await self.authorize(GlobOperation(guest_path, pattern))
-        entries, denied = await self._walk(guest_path)
-        prefix = len(guest_path) + 1
-        matches = [e.path for e in entries if e.kind != "symlink" and files.glob_match(pattern, e.path[prefix:])]
-        limit = self.limits.max_search_results
-        return {"path": guest_path, "matches": matches[:limit], "truncated": len(matches) > limit, "denied": denied}
-
-    def _pattern(self, arguments: dict, name: str, required: bool = True) -> str | None:
-        value = _argument(arguments, name, str) if required else _argument(arguments, name, str, None)
-        if value is not None and (not value or len(value) > self.limits.max_pattern_chars):
-            raise ToolRefusal(
-                ErrorCode.SANDBOX_INVALID_ARGUMENT, f"{name} must have 1 to {self.limits.max_pattern_chars} characters"
-            )
-        return value
-
-    def _compile(self, query: str, use_regex: bool):
-        try:
-            return regex.compile(query if use_regex else regex.escape(query))
-        except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as exc:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, f"bad regular expression: {exc}") from None
-
-    async def _search(self, function, *args):
-        """Run a search in a worker thread against the search time budget."""
-        deadline = files.Deadline.after(self.limits.search_seconds)
-        try:
-            return await function(*args, deadline)
-        except files.SearchTimeout:
-            raise ToolRefusal(
-                ErrorCode.SANDBOX_LIMIT, f"the search took over {self.limits.search_seconds:g} s",
-                "use a simpler expression or a narrower path",
-            ) from None  # fmt: skip
-
-    async def search_files(self, arguments: dict) -> dict:
-        query = self._pattern(arguments, "query")
-        use_regex = _argument(arguments, "regex", bool, False)
-        include = self._pattern(arguments, "include", required=False)
-        search_paths = _argument(arguments, "search_paths", bool, False)
-        context = _argument(arguments, "context_lines", int, 0)
-        guest_path = check_tool_path(arguments.get("path", "."), self.limits)
-        if not 0 <= context <= 10:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "context_lines must be 0 to 10")
-        pattern = self._compile(query, use_regex)
-        await self.require_path(guest_path)
-        await self.authorize(SearchOperation(guest_path, query, use_regex, include))
-        entries, denied = await self._walk(guest_path)
-        prefix = len(guest_path) + 1
-        candidates = [
-            e.path for e in entries
-            if e.kind == "file" and (include is None or files.glob_match(include, e.path[prefix:])
-                                     or files.glob_match(include, e.path.rsplit("/", 1)[1]))
-        ]  # fmt: skip
-        limit = self.limits.max_search_results
-        if search_paths:
-
-            async def by_path(deadline: float) -> list[dict]:
-                names = "\n".join(path[prefix:] for path in candidates)
-                found = await trio.to_thread.run_sync(
-                    lambda: [n for n, _ in files.search_lines(names, pattern, limit + 1, deadline)]
-                )
-                return [{"path": candidates[n]} for n in found]
-
-            results = await self._search(by_path)
-        else:
-
-            async def by_content(deadline: float) -> list[dict]:
-                found = await self.call_files(
-                    files.search_contents, candidates, pattern, context, limit, deadline, self.limits.max_read_bytes
-                )
-                return [vars(match) for match in found]
-
-            results = await self._search(by_content)
-        return {"path": guest_path, "matches": results[:limit], "truncated": len(results) > limit, "denied": denied}
-
-    async def run_command(self, arguments: dict) -> dict:
-        alias = _argument(arguments, "executable", str)
-        args = _argument(arguments, "args", list, [])
-        guest_cwd = check_tool_path(arguments.get("cwd", "."), self.limits, "cwd")
-        if alias not in self.executables:
-            raise ToolRefusal(
-                ErrorCode.SANDBOX_NOT_FOUND, f"no executable {alias!r}", f"use one of: {', '.join(self.executables)}"
-            )
-        for arg in args:
-            if not isinstance(arg, str):
-                raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "args must be strings")
-            _check_text(arg, "args")
-        if len(args) > self.limits.max_args or sum(len(a.encode()) + 1 for a in args) > self.limits.max_args_bytes:
-            raise ToolRefusal(
-                ErrorCode.SANDBOX_LIMIT, f"at most {self.limits.max_args} args of {self.limits.max_args_bytes} bytes"
-            )
-        # The session's own checks (NUL, sizes) and its environment rule (PWD).
-        argv, env, _, timeout = check_command(
-            self.executables[alias], args, self.environment, guest_cwd, self.limits.shell_timeout
-        )
-        binding = self.binding
-        binding.check_live()
-        policy_kind, generation = await binding.target.network_state()
-        missing = _missing(self.required, binding.grade, policy_kind)
-        if missing:
-            raise ToolRefusal(INSUFFICIENT, f"the session no longer provides {', '.join(missing)}")
-        await self.require_path(guest_cwd)
-        await self.authorize(ShellOperation(alias, tuple(args), guest_cwd))
-        # A stop or policy change while the host decided is a refusal
-        # (nothing ran: execute checks both first); from there on, a stop
-        # is one under the command.
-        command = CapturedCommand(
-            argv, env, guest_cwd, timeout, self.limits.max_artifact_bytes, CANCEL_GRACE, generation
-        )
-        started = trio.current_time()
-        try:
-            captured = await binding.target.execute(command)
-        except SandboxError as exc:
-            if exc.code == INSUFFICIENT_CODE:
-                raise ToolRefusal(INSUFFICIENT, exc.message, "call again") from None
-            if exc.code == ErrorCode.SANDBOX_STOPPED:
-                raise ToolRefusal(exc.code.value, exc.message, "create new tools from a new handle") from None
-            if exc.code in REFUSED_AS_IS:
-                raise ToolRefusal(exc.code.value, exc.message) from None
-            raise binding.unavailable("run_command", exc) from exc
-        result = captured.result
-        shown = self._shape_output(captured.stdout, captured.stderr, captured.truncated)
-        if result is None:
-            duration = round(trio.current_time() - started, 3)
-            return {"exit_code": None, "signal": 9, "outcome": "cancelled", "duration": duration, **shown}
-        outcome = "timeout" if result.timed_out else "output-limit" if captured.truncated else "exited"
-        duration = round(result.duration, 3)
-        return {
-            "exit_code": result.exit_code,
-            "signal": result.signal,
-            "outcome": outcome,
-            "duration": duration,
-            **shown,
-        }
-
-    def _shape_output(self, stdout: bytes, stderr: bytes, truncated: bool) -> dict:
-        budget = self.limits.max_shell_output_bytes
-        if len(stdout) + len(stderr) <= budget and not truncated:
-            return {"stdout": stdout.decode("utf-8", "replace"), "stderr": stderr.decode("utf-8", "replace"),
-                    "artifact": None}  # fmt: skip
-        stderr_budget = (
-            min(len(stderr), budget // 4) if len(stdout) > budget // 2 else budget - min(len(stdout), budget // 2)
-        )
-        stdout_budget = budget - min(len(stderr), stderr_budget)
-        out_text, out_head, out_tail = preview(stdout, stdout_budget)
-        err_text, err_head, err_tail = preview(stderr, budget - stdout_budget)
-        reference = self.artifacts.add(Artifact(stdout, stderr, truncated))
-        total = len(stdout) + len(stderr)
-        head, tail = out_head + err_head, out_tail + err_tail
-        return {
-            "stdout": out_text, "stderr": err_text,
-            "artifact": {"reference": reference, "bytes": total, "truncated": truncated,
-                         "head_bytes": head, "tail_bytes": tail, "omitted_bytes": total - head - tail},
-        }  # fmt: skip
-
-    async def read_output(self, arguments: dict) -> dict:
-        reference = _argument(arguments, "reference", str)
-        stream = _argument(arguments, "stream", str, "stdout")
-        offset = _argument(arguments, "offset", int, 0)
-        max_bytes = min(_argument(arguments, "max_bytes", int, self.limits.max_read_bytes), self.limits.max_read_bytes)
-        if stream not in ("stdout", "stderr") or offset < 0 or max_bytes < 1:
-            raise ToolRefusal(ErrorCode.SANDBOX_INVALID_ARGUMENT, "stream is stdout or stderr; offset >= 0")
-        artifact = self.artifacts.get(reference)
-        await self.authorize(ArtifactOperation(reference, "artifact-read"))
-        data = getattr(artifact, stream)
-        window = data[offset : offset + files.utf8_window(max_bytes)]
-        start, end = files.utf8_slice(window, max_bytes)
-        next_offset = offset + end if offset + end < len(data) else None
-        return {"reference": reference, "stream": stream, "offset": offset + start,
-                "text": window[start:end].decode("utf-8", "replace"), "size": len(data),
-                "next_offset": next_offset, "truncated": artifact.truncated}  # fmt: skip
-
-    async def search_output(self, arguments: dict) -> dict:
-        reference = _argument(arguments, "reference", str)
-        query = self._pattern(arguments, "query")
-        use_regex = _argument(arguments, "regex", bool, False)
-        pattern = self._compile(query, use_regex)
-        artifact = self.artifacts.get(reference)
-        await self.authorize(ArtifactOperation(reference, "artifact-search"))
-        limit = self.limits.max_search_results
-
-        def scan(deadline: float) -> list[dict]:
-            matches = []
-            for stream in ("stdout", "stderr"):
-                text = getattr(artifact, stream).decode("utf-8", "replace")
-                for number, lines in files.search_lines(text, pattern, limit + 1 - len(matches), deadline):
-                    matches.append({"stream": stream, "line": number + 1, "text": lines[number][:500]})
-                if len(matches) > limit:
-                    break
-            return matches
-
-        async def in_worker(deadline: float) -> list[dict]:
-            return await trio.to_thread.run_sync(scan, deadline)
-
-        matches = await self._search(in_worker)
-        return {"reference": reference, "matches": matches[:limit], "truncated": len(matches) > limit}
-
-
-def _schema(properties: dict, required: list[str]) -> dict:
-    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}

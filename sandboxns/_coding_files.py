@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ._errors import ErrorCode, SandboxError
-from ._files import discard_temporary, entry_kind, open_beneath_no_symlinks, path_error, write_temporary
+from ._files import discard_temporary, list_directory_fd, open_beneath_no_symlinks, path_error, write_temporary
 from ._paths import WORKSPACE
 
 SKIPPED_DIRECTORIES = frozenset(
@@ -265,15 +265,7 @@ class Entry:
 def list_directory(root: int, guest_path: str) -> list[Entry]:
     fd = open_path(root, guest_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        entries = []
-        with os.scandir(fd) as listing:
-            for entry in listing:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # removed while we listed: it is not there
-                entries.append(Entry(f"{guest_path}/{entry.name}", entry_kind(info.st_mode), info.st_size))
-        return sorted(entries, key=lambda e: e.path)
+        return [Entry(f"{guest_path}/{e.name}", e.kind, e.size) for e in list_directory_fd(fd)]
     finally:
         os.close(fd)
 

@@ -51,6 +51,20 @@ class DirEntry:
     size: int
 
 
+def list_directory_fd(fd: int) -> list[DirEntry]:
+    """The entries of the open directory ``fd``, by name, each as it is
+    (a symlink is a symlink, never followed)."""
+    entries = []
+    with os.scandir(fd) as listing:
+        for entry in listing:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed while we listed: it is not there
+            entries.append(DirEntry(entry.name, entry_kind(info.st_mode), info.st_size))
+    return sorted(entries, key=lambda e: e.name)
+
+
 def entry_kind(mode: int) -> Literal["file", "directory", "symlink", "other"]:
     if stat.S_ISREG(mode):
         return "file"
@@ -343,15 +357,7 @@ class WorkspaceFiles:
     def list_dir(self, guest_path: str) -> list[DirEntry]:
         fd = self._open(guest_path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            entries = []
-            with os.scandir(fd) as listing:
-                for entry in listing:
-                    try:
-                        info = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # removed while we listed: it is not there
-                    entries.append(DirEntry(entry.name, entry_kind(info.st_mode), info.st_size))
-            return sorted(entries, key=lambda e: e.name)
+            return list_directory_fd(fd)
         finally:
             os.close(fd)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import trio
 
 from ._backend import open_backend
-from ._coding import RESTRICTIONS, CodingTools, create_sandbox_coding_tools
+from ._coding import RESTRICTIONS, CodingTools
+from ._coding_tools import create_sandbox_coding_tools
 from ._errors import ErrorCode, SandboxError
 
 # A template snapshot from --files holds at most this much.

@@ -27,7 +27,7 @@ import trio
 from ._backend import Backend, SessionHandle
 from ._backend import open_backend as _open_backend
 from ._coding import CodingTools
-from ._coding import create_sandbox_coding_tools as _create_coding_tools
+from ._coding_tools import create_sandbox_coding_tools as _create_coding_tools
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._network import NetworkPolicy

@@ -80,6 +80,46 @@ async def test_the_tool_set_and_its_schemas(tools):
     refused(await call(tools, "write_file", path="x"), "SANDBOX_INVALID_ARGUMENT")
 
 
+# A value of the wrong JSON type for each schema type the tools use.
+WRONG_TYPE = {"string": 7, "integer": "7", "boolean": "yes", "array": "not a list"}
+
+
+async def test_every_argument_is_checked_as_its_schema_says(tools, recorder):
+    for tool in tools:
+        schema = tool.input_schema
+        assert schema["additionalProperties"] is False
+        valid = {"path": "f.txt", "content": "x", "old_text": "x", "new_text": "y", "pattern": "*", "query": "x",
+                 "executable": "shell", "reference": "out-none"}  # fmt: skip
+        for name, prop in schema["properties"].items():
+            arguments = {key: valid[key] for key in schema["required"]}
+            arguments[name] = WRONG_TYPE[prop["type"]]
+            refused(await call(tools, tool.name, **arguments), "SANDBOX_INVALID_ARGUMENT")
+            assert f"{name} must be" in (await call(tools, tool.name, **arguments))["message"]
+        for name in schema["required"]:
+            missing = {key: valid[key] for key in schema["required"] if key != name}
+            result = await call(tools, tool.name, **missing)
+            refused(result, "SANDBOX_INVALID_ARGUMENT")
+            assert result["message"] == f"missing argument {name!r}"
+        typo = await call(tools, tool.name, **{key: valid[key] for key in schema["required"]}, extra_argument=1)
+        refused(typo, "SANDBOX_INVALID_ARGUMENT")
+        assert "extra_argument" in typo["message"] and all(name in typo["hint"] for name in schema["properties"])
+    assert recorder.operations == []  # nothing reached the host's hooks
+
+
+async def test_integers_below_their_minimum_are_refused_and_above_their_maximum_capped(tools, workspace):
+    (workspace / "big.txt").write_text("x" * 300_000)
+    (workspace / "small.txt").write_text("a\nx\nb\n")
+    read = await call(tools, "read_file", path="big.txt", max_bytes=10**9)
+    assert read["bytes"] == tools["read_file"].input_schema["properties"]["max_bytes"]["maximum"]
+    refused(await call(tools, "read_file", path="big.txt", max_bytes=0), "SANDBOX_INVALID_ARGUMENT")
+    refused(await call(tools, "search_files", query="x", context_lines=-1), "SANDBOX_INVALID_ARGUMENT")
+    found = await call(tools, "search_files", query="x", include="small.txt", context_lines=99)
+    assert [match["path"] for match in found["matches"]] == ["/workspace/small.txt"], found
+    result = await call(tools, "run_command", executable="shell", args=["-c", "echo hi"])
+    refused(await call(tools, "read_output", reference="out-x", stream="stdin"), "SANDBOX_NOT_FOUND")
+    assert result["stdout"] == "hi\n"
+
+
 async def test_read_pages_text_without_splitting_characters(tools, workspace):
     text = "añ€😀z" * 50
     (workspace / "t.txt").write_text(text)
@@ -427,7 +467,7 @@ async def test_a_policy_change_during_preparation_voids_the_launch(session, work
 async def test_probe_and_preparation_failures_give_a_fixed_reason(session, recorder, monkeypatch):
     seen = []
     hooks = CodingHooks(on_tool_error=lambda tool, exc: seen.append((tool, exc)))
-    monkeypatch.setattr(_coding, "_PROBE", "exit 3")
+    monkeypatch.setattr(_coding, "PROBE", "exit 3")
     with pytest.raises(SandboxError) as error:
         await create_sandbox_coding_tools(session, authorize=recorder.authorize, hooks=hooks)
     assert (error.value.code, error.value.message) == (ErrorCode.SANDBOX_UNAVAILABLE, _coding.UNAVAILABLE_REASON)
