@@ -4,7 +4,7 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from . import adapters, blocking
-from ._backend import Backend, SessionHandle, open_backend
+from ._backend import Backend, open_backend
 from ._bwrap import BwrapDriver
 from ._cgroup import CgroupLimits
 from ._coding import (
@@ -20,6 +20,7 @@ from ._driver import ExitStatus, Mount, SandboxDriver, SandboxProcess, StartPlan
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
 from ._gateway import AuditRecord
+from ._handle import SessionHandle
 from ._native import NativeDriver
 from ._network import NetworkPolicy
 from ._open import open_sandbox

@@ -56,11 +56,11 @@ from ._backend import (
     DEFAULT_MAX_CONCURRENT_COMMANDS,
     MAX_CONCURRENT_COMMANDS_LIMIT,
     Backend,
-    SessionHandle,
     open_backend,
 )
 from ._confinement import Confinement, ResourceLimits, SeccompPolicy
 from ._errors import ErrorCode, SandboxError, invalid_argument
+from ._handle import SessionHandle
 from ._network import AllowedOrigin, NetworkPolicy, Origin, check_network_policy, header_name_problem, parse_origin
 from ._registry import DRIVERS
 from ._rootfs_images import check_digest

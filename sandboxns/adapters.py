@@ -54,9 +54,10 @@ from pathlib import Path
 
 import trio
 
-from ._backend import SessionHandle, open_backend
+from ._backend import open_backend
 from ._driver import Mount
 from ._errors import ErrorCode, SandboxError
+from ._handle import SessionHandle
 from ._layers import remove_tree
 from ._lease import clear_lease, lease_status
 from ._network import check_network_policy

@@ -24,12 +24,13 @@ from typing import Any, Self
 
 import trio
 
-from ._backend import Backend, SessionHandle
+from ._backend import Backend
 from ._backend import open_backend as _open_backend
 from ._coding import CodingTools
 from ._coding_tools import create_sandbox_coding_tools as _create_coding_tools
 from ._errors import ErrorCode, SandboxError
 from ._files import DirEntry
+from ._handle import SessionHandle
 from ._network import NetworkPolicy
 from ._open import open_sandbox as _open_sandbox
 from ._session import RunResult, Session
