@@ -285,12 +285,16 @@ async def _within_search_time(limits: CodingLimits, function, *args):
         ) from None  # fmt: skip
 
 
-class _FileTools:
-    """read_file, write_file, edit_file."""
+class _ToolFamily:
+    """Tools that belong together, over the host's say and limits."""
 
     def __init__(self, host: _Host) -> None:
         self.host = host
         self.limits = host.limits
+
+
+class _FileTools(_ToolFamily):
+    """read_file, write_file, edit_file."""
 
     def tools(self) -> list[Tool]:
         limits = self.limits
@@ -397,12 +401,8 @@ class _FileTools:
                 "base_sha256": base_sha, "sha256": result_sha}  # fmt: skip
 
 
-class _SearchTools:
+class _SearchTools(_ToolFamily):
     """list_directory, glob, search_files."""
-
-    def __init__(self, host: _Host) -> None:
-        self.host = host
-        self.limits = host.limits
 
     def tools(self) -> list[Tool]:
         limits = self.limits
@@ -505,7 +505,7 @@ class _SearchTools:
         return {"path": path, "matches": results[:limit], "truncated": len(results) > limit, "denied": denied}
 
 
-class _CommandTools:
+class _CommandTools(_ToolFamily):
     """run_command, and read_output and search_output over what a command
     printed beyond what its result showed."""
 
@@ -517,8 +517,7 @@ class _CommandTools:
         required: tuple[str, ...],
         artifacts: ArtifactStore,
     ) -> None:
-        self.host = host
-        self.limits = host.limits
+        super().__init__(host)
         self.executables = executables
         self.environment = environment
         self.required = required
