@@ -672,6 +672,18 @@ class Backend:
         layout = description["layout"]
         storage = storage_root(session_dir, confinement)
         workspace = Path(description["workspace"]) if layout == "bound" else storage / "workspace"
+        # A symlink swapped in since a path was stored (the guest of a
+        # session bound to a directory above it can write some of these
+        # trees) must not redirect a bind to another host path: the
+        # workspace is checked here, the mounts once the plan has resolved
+        # them.
+        if layout == "bound":
+            if workspace.resolve() != workspace:
+                raise SandboxError(
+                    ErrorCode.SANDBOX_PATH_REFUSED,
+                    f"workspace {workspace} now leads to {workspace.resolve()}; refusing to bind it",
+                )
+            self._refuse_state_overlap(workspace, "workspace")
         overlay = None
         if layout == "overlay":
             scratch = storage / "overlay-work"
@@ -703,17 +715,6 @@ class Backend:
             gateway=gateway,
             lease=lease,
         )
-        # The plan resolves every host path it binds. A symlink swapped in
-        # since a path was stored (the guest of a session bound to a
-        # directory above it can write some of these trees) must not
-        # redirect the bind to another host path.
-        if layout == "bound":
-            if plan.workspace != workspace:
-                raise SandboxError(
-                    ErrorCode.SANDBOX_PATH_REFUSED,
-                    f"workspace {workspace} now leads to {plan.workspace}; refusing to bind it",
-                )
-            self._refuse_state_overlap(plan.workspace, "workspace")
         for stored, mount in zip(stored_mounts, plan.mounts, strict=True):
             if mount.host != stored["host"]:
                 raise SandboxError(

@@ -61,6 +61,11 @@ def list_directory_fd(fd: int) -> list[DirEntry]:
                 info = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # removed while we listed: it is not there
+            except OSError:
+                # There, but not to be looked at (a directory the guest made
+                # readable but not searchable): listed for what it is known to be.
+                entries.append(DirEntry(entry.name, "other", 0))
+                continue
             entries.append(DirEntry(entry.name, entry_kind(info.st_mode), info.st_size))
     return sorted(entries, key=lambda e: e.name)
 

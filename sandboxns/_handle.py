@@ -1,7 +1,8 @@
 """A session handle: one session a backend started for this process, with
 its lifetime (stop, shutdown, delete, idle timeout) and the snapshots and
-forks taken from it. The backend (see _backend) does the work that touches
-its state directory."""
+forks taken from it. The backend (see _backend) starts sessions and takes
+snapshots; the handle writes its own record's retention and removes its
+own directory when deleted."""
 
 from __future__ import annotations
 

@@ -265,7 +265,14 @@ class SandboxSpec:
         self._load_problem = load_problem
         # Checked once, now: a spec is a value, and everything it says is
         # read from what this found.
-        self._problems, self._resolved = self._examine()
+        try:
+            self._problems, self._resolved = self._examine()
+        except OSError as exc:  # a directory it names cannot be looked at
+            self._problems, self._resolved = [SpecProblem("", f"cannot check what the spec names: {exc}")], None
+
+    def __reduce__(self):
+        # What it was made from; the checked value is made again.
+        return _spec_again, (self._document, self._base, self._source, self._load_problem)
 
     @property
     def document(self) -> object:
@@ -1075,6 +1082,10 @@ def _read_directory(root: Path) -> dict[str, bytes]:
     }
 
 
+def _spec_again(document: object, base: Path, source: str, load_problem: str) -> SandboxSpec:
+    return SandboxSpec(document, base=base, source=source, load_problem=load_problem)
+
+
 class SpecSandbox:
     """A running sandbox built from a spec: its backend, its session handle,
     and the spec's command environment and limits already applied to
@@ -1189,7 +1200,10 @@ class _Building:
         if self._nursery is None:
             trio.lowlevel.spawn_system_task(keep)
         else:
-            self._nursery.start_soon(keep)
+            try:
+                self._nursery.start_soon(keep)
+            except RuntimeError:  # trio's word for a nursery that has ended
+                raise SandboxError(ErrorCode.SANDBOX_STOPPED, "the nursery given to build() has ended") from None
         try:
             await ready.wait()
         except BaseException:
@@ -1197,6 +1211,10 @@ class _Building:
             raise
         if "error" in outcome:
             raise outcome.pop("error")
+        if "sandbox" not in outcome:  # the given nursery was cancelled while it started
+            raise SandboxError(
+                ErrorCode.SANDBOX_STOPPED, "the nursery given to build() was cancelled before the sandbox started"
+            )
         sandbox = outcome["sandbox"]
         sandbox._close = close
         return sandbox

@@ -659,3 +659,16 @@ async def test_a_read_starting_or_ending_inside_a_character_replaces_nothing(too
 def test_every_code_a_refusal_can_carry_has_a_hint():
     codes = {code.value for code in ErrorCode} | {_coding.EDIT_NO_MATCH, _coding.EDIT_AMBIGUOUS, _coding.EDIT_STALE}
     assert codes <= set(_coding.DEFAULT_HINTS)
+
+
+async def test_an_entry_that_cannot_be_looked_at_is_still_listed(session, tools):
+    # A directory readable but not searchable: its names can be read, the
+    # entries themselves not (unless the host's file operations override
+    # permissions); either way the listing works.
+    made = await session.run("/bin/sh", ["-c", "mkdir d && touch d/f && chmod 444 d"])
+    assert made.exit_code == 0, made.stderr
+    listed = await call(tools, "list_directory", path="d")
+    assert [entry["name"] for entry in listed["entries"]] == ["f"], listed
+    assert listed["entries"][0]["kind"] in ("file", "other")
+    assert [entry.name for entry in await session.list_dir("d")] == ["f"]
+    await session.run("/bin/chmod", ["755", "d"])

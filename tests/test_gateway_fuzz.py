@@ -326,6 +326,10 @@ def read_answers(data: bytes, sent: list[Sent], leftover: bool) -> list[Answer]:
         assert index < len(sent) or (index == len(sent) and leftover), f"answer {index} answers no request"
         request = sent[index] if index < len(sent) else None
         method = request.method if request else b"GET"
+        if method.upper() == b"CONNECT":
+            # The gateway takes a CONNECT in any case as one (a tunnel, or
+            # refused), where h11 would read "connect" as an ordinary method.
+            method = b"CONNECT"
         reader = h11.Connection(h11.CLIENT)
         close = [(b"connection", b"close")] if request and request.closes else []
         reader.send(h11.Request(method=method, target=b"/", headers=[(b"host", b"gateway"), *close]))
@@ -495,7 +499,7 @@ class FuzzedGateway:
         served = dict.fromkeys(self.upstreams, 0)
         for index, answer in enumerate(answers):
             by = answer.header(b"x-served-by")
-            if index < len(sent) and sent[index].method == b"CONNECT" and answer.status == 200:
+            if index < len(sent) and sent[index].method.upper() == b"CONNECT" and answer.status == 200:
                 # The gateway's own answer: a tunnel, to an allowed https
                 # origin (the one of the two that carries credentials, so
                 # the gateway itself is its far end; no ClientHello follows

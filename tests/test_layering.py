@@ -27,6 +27,9 @@ def _runtime_nodes(tree: ast.AST):
     """Every node but those under ``if TYPE_CHECKING:`` (annotations only)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for branch in node.orelse:  # runs, unlike the body
+                yield branch
+                yield from _runtime_nodes(branch)
             continue
         yield node
         yield from _runtime_nodes(node)

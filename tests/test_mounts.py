@@ -103,10 +103,14 @@ async def test_a_mount_source_that_now_leads_elsewhere_is_refused(backend, share
     await refused(ErrorCode.SANDBOX_PATH_REFUSED, backend.create(state=state))
 
 
-async def test_a_bound_workspace_that_now_leads_elsewhere_is_not_resumed(backend, tmp_path):
+@pytest.mark.parametrize("target", ["directory", "file", "nothing"])
+async def test_a_bound_workspace_that_now_leads_elsewhere_is_not_resumed(backend, tmp_path, target):
     bound, elsewhere = tmp_path / "bound", tmp_path / "elsewhere"
     bound.mkdir()
-    elsewhere.mkdir()
+    if target == "directory":
+        elsewhere.mkdir()
+    elif target == "file":
+        elsewhere.write_text("x")
     handle = await backend.create(workspace=bound)
     state = handle.capture_state()
     await handle.stop()

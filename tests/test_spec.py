@@ -519,3 +519,32 @@ def test_a_spec_is_resolved_once_when_it_is_made():
         spec.document = {}  # type: ignore[misc]
     with pytest.raises(TypeError):
         spec._checked().vars["A"] = "3"  # type: ignore[index]
+
+
+async def test_a_build_whose_nursery_is_cancelled_or_ended_is_stopped(tmp_path):
+    spec = SandboxSpec.from_dict({"id": "nursed"})
+
+    async def hold(task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as given:
+            task_status.started(given)
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as outer:
+        given = await outer.start(hold)
+        given.cancel_scope.cancel()  # ends before the build's task gets anywhere
+        error = await refused(ErrorCode.SANDBOX_STOPPED, spec.build(state_directory=tmp_path / "s", nursery=given))
+        assert "cancelled" in error.message
+    await refused(ErrorCode.SANDBOX_STOPPED, spec.build(state_directory=tmp_path / "s", nursery=given))
+    assert not list(tmp_path.rglob("session.json"))  # nothing was left behind
+
+
+def test_a_spec_pickles_and_copies_as_the_value_it_is(tmp_path):
+    import copy
+    import pickle
+
+    spec = SandboxSpec.from_dict({"id": "carried", "env": {"vars": {"A": "1"}}}, base=tmp_path)
+    for again in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec)):
+        assert (again.id, again.base, again.source) == ("carried", tmp_path, "<dict>")
+        assert again.environment({})["A"] == "1"
+    broken = SandboxSpec.from_dict({"id": "x", "limits": {"timeout": "soon"}})
+    assert pickle.loads(pickle.dumps(broken)).validate() == broken.validate() != []
