@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 
 import pytest
 import trio
@@ -539,9 +541,6 @@ async def test_a_build_whose_nursery_is_cancelled_or_ended_is_stopped(tmp_path):
 
 
 def test_a_spec_pickles_and_copies_as_the_value_it_is(tmp_path):
-    import copy
-    import pickle
-
     spec = SandboxSpec.from_dict({"id": "carried", "env": {"vars": {"A": "1"}}}, base=tmp_path)
     for again in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec)):
         assert (again.id, again.base, again.source) == ("carried", tmp_path, "<dict>")
